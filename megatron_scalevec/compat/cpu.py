@@ -1,0 +1,281 @@
+"""Run megatron-core 0.16.1 on CPU with gloo: the one compatibility layer.
+
+``enable_cpu_compat()`` does nothing when CUDA is available. Otherwise it installs the patches
+below once (idempotent) and returns True. Call it before importing megatron (then megatron is
+imported by it with ``torch.compile`` kept eager) or after (already-compiled jit functions are
+unwrapped back to eager). The device mode is thread-local in torch: call it again in a new
+thread that runs megatron code.
+
+| # | what breaks on CPU | why | what we do |
+|---|---|---|---|
+| 1 | ``device="cuda"``, ``.cuda()``, ``.to("cuda")``, ``device=current_device()`` | literal CUDA devices all over megatron | a ``TorchFunctionMode`` entered once and kept active maps cuda/int devices to cpu, ``.cuda()`` to identity, drops ``pin_memory`` |
+| 2 | ``assert p.grad.type() == 'torch.cuda.FloatTensor'`` | clip_grads, Float16Module, optimizer check type strings | under the mode ``Tensor.type()`` reports ``torch.cuda.*``; ``.type('torch.cuda.X')`` casts to the CPU type |
+| 3 | ``torch.cuda.current_device/synchronize/set_device/device_count`` | CUDA assertion in p2p comm, dist-ckpt, global buffers | ``current_device() -> "cpu"``, ``device_count() -> 1``, the others no-ops |
+| 4 | CUDA RNG tracker ``fork()`` | ``_get/_set_cuda_rng_state`` and ``torch.cuda.get/set_rng_state`` need CUDA | they read/write the CPU default generator; the tracker's "CPU RNG changed" warning is filtered (the two RNGs are one on CPU) |
+| 5 | TRAP: ``torch.cuda.manual_seed`` as a no-op | every TP rank would get the same "model-parallel" RNG state | it seeds the CPU default generator |
+| 6 | ``moe_utils.te_general_gemm`` | ``NameError`` when TE is absent (0.16.1 bug) | define it as ``None`` |
+| 7 | ``torch.cuda.Stream/Event/current_stream/stream`` | alltoall dispatcher, shared experts use side streams | no-op stream/event objects, ``stream()`` a null context |
+| 8 | alltoall dispatcher split sizes | ``maybe_move_tensor_to_cpu`` only converts CUDA tensors, so splits stay tensors (``all_to_all_single`` TypeError) | CPU tensors asked for ``as_numpy`` become numpy arrays, as on GPU |
+| 9 | uneven ``dist.all_gather`` on gloo (alltoall with expert-TP > 1) | ``ProcessGroupGloo::allgather: invalid tensor size`` | padded ``all_gather_into_tensor`` + slicing (list ``reduce_scatter`` works on gloo) |
+| 10 | ``dist_checkpointing`` sync save | results queue from a spawn-context ``Manager`` (5-8 s, re-imports ``__main__``, hangs without a main guard) | during a sync ``save`` the results queue is a plain ``queue.Queue()`` |
+| 11 | ``megatron.core.jit`` sets ``jit_fuser = torch.compile`` | import 5 s instead of 2 s; inductor compiles fused functions on CPU | ``torch.compile`` eager while megatron is imported; ``disable_jit_fuser()``; unwrap compiled functions |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import queue
+import sys
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable_cpu_compat", "is_cpu_compat_enabled"]
+
+_ENABLED = False
+_LOCK = threading.Lock()
+_TLS = threading.local()
+_SYNC_SAVE = threading.local()
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    return isinstance(dev, int) and not isinstance(dev, bool)
+
+
+def _cpu_type_name(t) -> str:
+    name = t if isinstance(t, str) else f"{t.__module__}.{t.__name__}"
+    return name.replace("torch.cuda.", "torch.")
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    """Map every CUDA device request to the CPU (patches 1, 2)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SPECIAL:
+            return _SPECIAL[func](func, args, kwargs)
+        dev = kwargs.get("device")
+        if dev is not None and _is_cuda_device(dev):
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        return func(*args, **kwargs)
+
+
+def _tensor_to(func, args, kwargs):
+    args = tuple("cpu" if i and _is_cuda_device(a) else a for i, a in enumerate(args))
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs = {**kwargs, "device": "cpu"}
+    return func(*args, **kwargs)
+
+
+def _tensor_type(func, args, kwargs):
+    self, rest = args[0], args[1:]
+    dtype = rest[0] if rest else kwargs.pop("dtype", None)
+    if dtype is None:
+        name = func(self)
+        return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+    return func(self, _cpu_type_name(dtype), **kwargs)
+
+
+_SPECIAL = {
+    torch.Tensor.to: _tensor_to,
+    torch.Tensor.cuda: lambda func, args, kwargs: args[0],
+    torch.Tensor.pin_memory: lambda func, args, kwargs: args[0],
+    torch.Tensor.record_stream: lambda func, args, kwargs: None,
+    torch.Tensor.type: _tensor_type,
+}
+_MODE = _CudaAsCpuMode()
+
+
+class _Stream:
+    """No-op stand-in for ``torch.cuda.Stream`` and ``torch.cuda.Event`` (patch 7)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    wait_event = record = wait = synchronize = wait_stream
+
+    def record_event(self, event=None):
+        return event if event is not None else _Stream()
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+_CURRENT_STREAM = _Stream()
+
+
+def _cpu_rng_state(*args, **kwargs):
+    return torch.default_generator.get_state()
+
+
+def _set_cpu_rng_state(new_state, *args, **kwargs):
+    if isinstance(new_state, torch.Generator):
+        new_state = new_state.get_state()
+    torch.default_generator.set_state(new_state)
+
+
+def _seed_cpu(seed):
+    torch.default_generator.manual_seed(int(seed))
+
+
+class _DropRngWarning(logging.Filter):
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_torch_cuda():
+    cuda = torch.cuda
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    for name, value in {
+        "current_device": lambda: "cpu",
+        "device_count": lambda: 1,
+        "synchronize": noop,
+        "set_device": noop,
+        "Stream": _Stream,
+        "Event": _Stream,
+        "current_stream": lambda *args, **kwargs: _CURRENT_STREAM,
+        "default_stream": lambda *args, **kwargs: _CURRENT_STREAM,
+        "set_stream": noop,
+        "stream": lambda *args, **kwargs: contextlib.nullcontext(),
+        "get_rng_state": _cpu_rng_state,
+        "set_rng_state": _set_cpu_rng_state,
+        "get_rng_state_all": lambda: [_cpu_rng_state()],
+        "set_rng_state_all": lambda states: _set_cpu_rng_state(states[0]),
+        "manual_seed": _seed_cpu,  # patch 5: never a no-op
+        "manual_seed_all": _seed_cpu,
+    }.items():
+        setattr(cuda, name, value)
+        if hasattr(cuda.random, name):
+            setattr(cuda.random, name, value)
+
+
+def _eager_compile(model=None, **kwargs):
+    return model if model is not None else (lambda fn: fn)
+
+
+@contextlib.contextmanager
+def _eager_torch_compile():
+    saved = torch.compile
+    torch.compile = _eager_compile
+    try:
+        yield
+    finally:
+        torch.compile = saved
+
+
+def _unwrap_compiled(obj):
+    return getattr(obj, "_torchdynamo_orig_callable", None)
+
+
+def _unwrap_compiled_in_megatron():
+    """Replace already torch.compile'd functions (module and class level) by the originals."""
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("megatron.") or mod is None:
+            continue
+        for holder in [mod] + [v for v in vars(mod).values() if isinstance(v, type)]:
+            for attr, value in list(vars(holder).items()):
+                orig = _unwrap_compiled(value)
+                if orig is not None:
+                    setattr(holder, attr, orig)
+
+
+def _uneven_all_gather(orig):
+    @functools.wraps(orig)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        shapes = {tuple(t.shape) for t in tensor_list}
+        if async_op or len(shapes) == 1 or torch.distributed.get_backend(group) != "gloo":
+            return orig(tensor_list, tensor, group=group, async_op=async_op)
+        width = max(t.numel() for t in tensor_list)
+        padded = tensor.new_zeros(width)
+        padded[: tensor.numel()] = tensor.reshape(-1)
+        out = tensor.new_empty(width * len(tensor_list))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        for i, t in enumerate(tensor_list):
+            t.copy_(out[i * width : i * width + t.numel()].view(t.shape))
+        return None
+
+    return all_gather
+
+
+def _patch_megatron():
+    from megatron.core import jit
+    from megatron.core.dist_checkpointing.strategies import base, filesystem_async
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    jit.disable_jit_fuser()
+    _unwrap_compiled_in_megatron()
+    mrandom._get_cuda_rng_state = _cpu_rng_state
+    mrandom._set_cuda_rng_state = _set_cpu_rng_state
+    logging.getLogger(mrandom.__name__).addFilter(_DropRngWarning())
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    orig_move = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(orig_move)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.detach().numpy().copy()
+        return orig_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    orig_queue = filesystem_async._get_write_results_queue
+    filesystem_async._get_write_results_queue = lambda: (
+        queue.Queue() if getattr(_SYNC_SAVE, "active", False) else orig_queue()
+    )
+    orig_save = base.AsyncSaveShardedStrategy.save
+
+    @functools.wraps(orig_save)
+    def save(self, *args, **kwargs):
+        _SYNC_SAVE.active = True
+        try:
+            return orig_save(self, *args, **kwargs)
+        finally:
+            _SYNC_SAVE.active = False
+
+    base.AsyncSaveShardedStrategy.save = save
+
+
+def _enter_mode_in_this_thread():
+    if not getattr(_TLS, "mode_on", False):
+        _MODE.__enter__()
+        _TLS.mode_on = True
+
+
+def enable_cpu_compat() -> bool:
+    """Install the CPU patches (see the module docstring). Returns False on a CUDA machine."""
+    global _ENABLED
+    if torch.cuda.is_available():
+        return False
+    with _LOCK:
+        if not _ENABLED:
+            _patch_torch_cuda()
+            torch.distributed.all_gather = _uneven_all_gather(torch.distributed.all_gather)
+            with _eager_torch_compile():
+                _patch_megatron()
+            _ENABLED = True
+        _enter_mode_in_this_thread()
+    return True
+
+
+def is_cpu_compat_enabled() -> bool:
+    """True once ``enable_cpu_compat()`` has installed the patches."""
+    return _ENABLED

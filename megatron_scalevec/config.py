@@ -1,0 +1,142 @@
+"""ScaleVecConfig: the one object that says which scale-vector strategy a model uses.
+
+The strategy is a small set of independent switches (see SPEC.md):
+
+==========  =================================================================
+``none``    every scale vector removed (fixed to 1), the final norm's too
+``shared``  baseline: one gamma per Pre-Norm, as in Llama (default base)
+``hg``      branch heterogeneity: one input vector per projection branch
+``dp``      double-sided placement: an output-side vector after each branch
+``dnp``     double-sided normalized placement: a norm, then the output vector
+``or``      magnitude-direction in the original space (beta * sqrt(m) u/|u|)
+``er``      magnitude-direction in exponential space (exp(alpha + v - mean v))
+``iwd``     individualized weight decay (Input-Norm decays, Output-Norm not)
+``unified`` hg + dnp + or + iwd, the paper's recommended strategy
+==========  =================================================================
+
+Readings the paper leaves open are fields here, never constants in the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+PRESETS = {
+    "baseline": "shared",
+    "shared": "shared",
+    "none": "none",
+    "unified": "hg+dnp+or+iwd",
+}
+TOKENS = ("shared", "none", "hg", "dp", "dnp", "or", "er", "iwd")
+
+
+@dataclass(frozen=True)
+class ScaleVecConfig:
+    """Which scale-vector variants are on, plus the configurable readings.
+
+    Attributes:
+        vectors: False for the ``none`` ablation (no learnable scale anywhere).
+        hg: per-branch input vectors (q, k, v, gate, up, router, per expert).
+        dp: output-side vector after each branch projection (foldable).
+        dnp: per-branch normalization, then an output-side vector (QK-norm style).
+        parameterization: ``plain``, ``or`` or ``er`` for every vector.
+        iwd: individualized weight decay by role.
+        scale_vector_weight_decay: decay for Input-Norm vectors; None = the matrices' value.
+        dp_output_role: IWD role of DP's output vector (reading: ``input``, it is absorbable).
+        decay_direction: under OR/ER, also decay the direction part (reading: False).
+        apply_mode: how vectors meet a linear layer: ``weight`` folds them into the
+            effective weight (one GEMM), ``activation`` scales activations (works with
+            any linear implementation, e.g. Transformer Engine), ``auto`` picks weight
+            for megatron-core's local linears and activation otherwise.
+    """
+
+    vectors: bool = True
+    hg: bool = False
+    dp: bool = False
+    dnp: bool = False
+    parameterization: str = "plain"
+    iwd: bool = False
+    scale_vector_weight_decay: Optional[float] = None
+    dp_output_role: str = "input"
+    decay_direction: bool = False
+    apply_mode: str = "auto"
+
+    def __post_init__(self):
+        if self.dp and self.dnp:
+            raise ValueError("ScaleVecConfig: 'dp' and 'dnp' conflict: both place an output-side "
+                             "vector on the same branch; choose one")
+        if self.parameterization not in ("plain", "or", "er"):
+            raise ValueError(f"ScaleVecConfig.parameterization must be plain, or, er; "
+                             f"got {self.parameterization!r}")
+        if not self.vectors and (self.hg or self.dp or self.dnp or self.iwd
+                                 or self.parameterization != "plain"):
+            raise ValueError("ScaleVecConfig: 'none' removes every scale vector and cannot be "
+                             f"combined with other variants (got {self.to_string()!r})")
+        if self.dp_output_role not in ("input", "output"):
+            raise ValueError("ScaleVecConfig.dp_output_role must be 'input' or 'output'")
+        if self.apply_mode not in ("auto", "weight", "activation"):
+            raise ValueError("ScaleVecConfig.apply_mode must be auto, weight or activation")
+        if self.scale_vector_weight_decay is not None and self.scale_vector_weight_decay < 0:
+            raise ValueError("ScaleVecConfig.scale_vector_weight_decay must be >= 0")
+
+    @classmethod
+    def from_string(cls, text: str, **overrides) -> "ScaleVecConfig":
+        """Parse ``"unified"``, ``"shared"``, ``"none"``, ``"hg+dnp+or+iwd"``, ``"hg+dp+er"``."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("ScaleVecConfig.from_string: empty strategy string")
+        tokens = []
+        for raw in text.lower().replace(",", "+").split("+"):
+            tok = raw.strip()
+            if tok in PRESETS:
+                tokens.extend(PRESETS[tok].split("+"))
+            elif tok in TOKENS:
+                tokens.append(tok)
+            else:
+                known = ", ".join(sorted(set(TOKENS) | set(PRESETS)))
+                raise ValueError(f"unknown scale-vector variant {tok!r} in {text!r}; "
+                                 f"known: {known}")
+        if "none" in tokens and len(set(tokens)) > 1:
+            raise ValueError(f"'none' removes every scale vector and conflicts with "
+                             f"{sorted(set(tokens) - {'none'})} in {text!r}")
+        if "shared" in tokens and "hg" in tokens:
+            raise ValueError(f"'shared' (one gamma per norm) conflicts with 'hg' "
+                             f"(one gamma per branch) in {text!r}")
+        if "or" in tokens and "er" in tokens:
+            raise ValueError(f"'or' and 'er' conflict in {text!r}: a vector has one "
+                             f"magnitude-direction parameterization")
+        if "dp" in tokens and "dnp" in tokens:
+            raise ValueError(f"'dp' and 'dnp' conflict in {text!r}: both place an output-side "
+                             f"vector on the same branch; choose one")
+        param = "or" if "or" in tokens else "er" if "er" in tokens else "plain"
+        fields = dict(vectors="none" not in tokens, hg="hg" in tokens, dp="dp" in tokens,
+                      dnp="dnp" in tokens, parameterization=param, iwd="iwd" in tokens)
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_string(self) -> str:
+        """Canonical name, e.g. ``hg+dnp+or+iwd``; round-trips through from_string."""
+        if not self.vectors:
+            return "none"
+        parts = ["hg" if self.hg else "shared"]
+        parts += [p for p, on in (("dp", self.dp), ("dnp", self.dnp)) if on]
+        if self.parameterization != "plain":
+            parts.append(self.parameterization)
+        if self.iwd:
+            parts.append("iwd")
+        return "+".join(parts)
+
+    def replace(self, **changes) -> "ScaleVecConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def is_baseline(self) -> bool:
+        """True when the model is computed exactly as megatron-core's stock layers."""
+        return self.vectors and not (self.hg or self.dp or self.dnp) and \
+            self.parameterization == "plain"
+
+    def resolve_apply_mode(self, local_linear: bool) -> str:
+        if self.apply_mode != "auto":
+            return self.apply_mode
+        return "weight" if local_linear else "activation"

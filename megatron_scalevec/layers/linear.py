@@ -1,0 +1,189 @@
+"""Column-parallel projections that carry per-branch scale vectors (HG input side, DP output).
+
+A fused projection (``linear_qkv``, ``linear_fc1``) holds several branches. Its local output
+rows are viewed as ``[G, S, r]``: ``G`` groups, ``S`` slots per group, ``r`` rows per slot,
+and every slot belongs to one branch:
+
+* qkv: ``G`` = local query groups, slots = ``[q] * heads_per_group + [k, v]``, ``r`` = head
+  dim (megatron-core's interleaved GQA layout). Output vectors are ``R^head_dim``, shared by
+  the heads of a branch (reading), so they are replicated over TP.
+* fc1 (GLU): ``G = 1``, slots = ``[gate, up]``, ``r`` = local FFN width; output vectors are
+  ``R^ffn`` and split with the columns. Non-gated: slots = ``[up]``.
+
+The effective map is ``diag(a_slot) W_slot diag(gamma_slot)`` (SPEC.md's unified view). Two
+ways to apply it, chosen by ``ScaleVecConfig.apply_mode``:
+
+* ``weight``: build that effective weight (one pass over out x in) and run one GEMM. Default
+  for megatron-core's local linears. Gradient-accumulation fusion is off for these layers
+  since the GEMM's weight is not the leaf parameter.
+* ``activation``: scale the input by each branch's gamma, run the linear (one GEMM per
+  distinct input vector), keep that branch's rows, then scale by ``a``. It never touches the
+  weight, so it works for linears that own their weight (Transformer Engine, FP8).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from megatron_scalevec import sharding
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.vectors import ScaleVector
+
+
+def branch_layout(branches: str, config, out_local: int) -> tuple:
+    """(G, slot branch names, r) of a fused projection's local rows."""
+    if branches == "qkv":
+        tp = config.tensor_model_parallel_size
+        if config.num_query_groups is None:
+            raise ValueError("scale vectors need config.num_query_groups set")
+        if config.num_query_groups < tp:
+            raise ValueError(
+                f"scale vectors on linear_qkv need num_query_groups ({config.num_query_groups}) "
+                f">= tensor_model_parallel_size ({tp}): each rank must own whole query groups")
+        groups = config.num_query_groups // tp
+        hpg = config.num_attention_heads // config.num_query_groups
+        slots = ["q"] * hpg + ["k", "v"]
+        return groups, slots, out_local // (groups * len(slots))
+    if branches == "fc1":
+        slots = ["gate", "up"] if config.gated_linear_unit else ["up"]
+        return 1, slots, out_local // len(slots)
+    raise ValueError(f"unknown branch layout {branches!r} (expected 'qkv' or 'fc1')")
+
+
+class ScaleVecLinearMixin:
+    """The vector math of a branched column-parallel projection; any linear class below it."""
+
+    def _init_scale_vectors(self, scalevec: ScaleVecConfig, branches: str, config,
+                            in_size: int, out_local: int, is_expert: bool, tp_group,
+                            mode: str):
+        self.scalevec = scalevec
+        self.scalevec_mode = mode
+        self.groups, self.slots, self.rows = branch_layout(branches, config, out_local)
+        names = list(dict.fromkeys(self.slots))
+        weight = getattr(self, "weight", None)
+        expert_allreduce = getattr(weight, "allreduce", True) if is_expert else None
+        in_vec = scalevec.hg and scalevec.vectors
+        out_vec = scalevec.dp
+        if out_vec and (getattr(self, "bias", None) is not None):
+            raise ValueError("DP output-side vectors with a linear bias are not supported: "
+                             "set add_bias_linear=False / add_qkv_bias=False")
+        # Output rows are local: replicated vectors on them get partial gradients.
+        out_split = branches == "fc1"
+        self.scale_in = torch.nn.ModuleDict()
+        self.scale_out = torch.nn.ModuleDict()
+        seq_group = sharding.seq_parallel_group(config) if not is_expert else None
+        in_grad_group = tp_group if mode == "weight" else seq_group
+        for name in names:
+            if in_vec:
+                self.scale_in[name] = ScaleVector(
+                    in_size, scalevec.parameterization, role="input", tp_group=tp_group,
+                    grad_group=in_grad_group, expert_allreduce=expert_allreduce,
+                    dtype=config.params_dtype)
+            if out_vec:
+                self.scale_out[name] = ScaleVector(
+                    self.rows, scalevec.parameterization, role=scalevec.dp_output_role,
+                    tp_group=tp_group, split=out_split,
+                    grad_group=None if out_split else tp_group,
+                    expert_allreduce=expert_allreduce, dtype=config.params_dtype)
+
+    @property
+    def has_scale_vectors(self) -> bool:
+        return len(self.scale_in) + len(self.scale_out) > 0
+
+    def _slot_stack(self, vectors: torch.nn.ModuleDict, width: int) -> Optional[torch.Tensor]:
+        """[S, width] gamma per slot (ones for a branch without vector), None if no vector."""
+        if len(vectors) == 0:
+            return None
+        per_branch = {name: vec() for name, vec in vectors.items()}
+        ref = next(iter(per_branch.values()))
+        ones = None
+        rows: List[torch.Tensor] = []
+        for name in self.slots:
+            g = per_branch.get(name)
+            if g is None:
+                ones = ones if ones is not None else ref.new_ones(width)
+                g = ones
+            rows.append(g)
+        return torch.stack(rows)
+
+    def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """diag(a) W diag(gamma) per slot, as one [out, in] tensor."""
+        col = self._slot_stack(self.scale_in, weight.shape[1])  # [S, in]
+        row = self._slot_stack(self.scale_out, self.rows)  # [S, r]
+        w = weight.view(self.groups, len(self.slots), self.rows, weight.shape[1])
+        if row is not None and col is not None:
+            scale = row[:, :, None] * col[:, None, :]
+        elif col is not None:
+            scale = col[:, None, :]
+        else:
+            scale = row[:, :, None]
+        return (w * scale.to(w.dtype)).view_as(weight)
+
+    def _activation_forward(self, x: torch.Tensor, call):
+        """Activation-side application around any linear ``call(x) -> (out, bias)``."""
+        if len(self.scale_in) == 0:
+            out, bias = call(x)
+        else:
+            out = None
+            bias = None
+            shape = None
+            for name, vec in self.scale_in.items():
+                y, bias = call(x * vec().to(x.dtype))
+                shape = y.shape
+                y = y.view(*shape[:-1], self.groups, len(self.slots), self.rows)
+                mask = torch.tensor([s == name for s in self.slots], device=y.device)
+                part = y * mask.view(len(self.slots), 1).to(y.dtype)
+                out = part if out is None else out + part
+            out = out.view(shape)
+        if len(self.scale_out) > 0:
+            row = self._slot_stack(self.scale_out, self.rows).to(out.dtype)
+            out = (out.view(*out.shape[:-1], self.groups, len(self.slots), self.rows) * row)
+            out = out.flatten(-3)
+        return out, bias
+
+    def scale_vector_sharded_state_dict(self, sd, prefix, sharded_offsets, metadata):
+        """Replace the generic entries of our vectors by their own (split-aware) ones."""
+        for dict_name in ("scale_in", "scale_out"):
+            for key in [k for k in sd if k.startswith(f"{prefix}{dict_name}.")]:
+                del sd[key]
+            for name, vec in getattr(self, dict_name).items():
+                sd.update(vec.sharded_state_dict(f"{prefix}{dict_name}.{name}.",
+                                                 sharded_offsets, metadata))
+        return sd
+
+
+class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
+    """megatron-core's local ColumnParallelLinear with per-branch scale vectors.
+
+    Built by megatron-core with the usual linear arguments; ``scalevec`` and ``branches``
+    come from the spec (a ``functools.partial`` or ``ModuleSpec.params``).
+    """
+
+    def __init__(self, input_size, output_size, *, scalevec: ScaleVecConfig, branches: str,
+                 config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        mode = scalevec.resolve_apply_mode(local_linear=True)
+        self._init_scale_vectors(scalevec, branches, config, input_size,
+                                 self.output_size_per_partition, self.is_expert,
+                                 self.tp_group, mode)
+        if self.has_scale_vectors and mode == "weight":
+            # The fused wgrad accumulation writes into weight.main_grad; our GEMM weight is
+            # the effective one, so let autograd route the gradient to the parameter.
+            self.gradient_accumulation_fusion = False
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        if not self.has_scale_vectors:
+            return super().forward(input_, weight, runtime_gather_output)
+        base = self.weight if weight is None else weight
+        if self.scalevec_mode == "weight":
+            return super().forward(input_, self.effective_weight(base), runtime_gather_output)
+        return self._activation_forward(
+            input_, lambda x: super(ScaleVecColumnParallelLinear, self).forward(
+                x, weight, runtime_gather_output))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return self.scale_vector_sharded_state_dict(sd, prefix, sharded_offsets, metadata)

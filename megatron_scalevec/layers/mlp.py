@@ -1,0 +1,64 @@
+"""MLP with DNP's normalized output side on gate and up, on megatron-core's MLP.
+
+``g = a_g * N(W_g (gamma_g * N(x)))``, ``u = a_u * N(W_u (gamma_u * N(x)))``,
+``y = W_d (act(g) * u)``. ``N`` runs over the whole FFN width; under tensor (or expert-tensor)
+parallelism that width is split, so its statistics are all-reduced and the result does not
+depend on the layout. Without DNP this class is megatron-core's MLP unchanged (the HG/DP
+vectors live in ``linear_fc1``), fusions included.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.mlp import MLP
+
+from megatron_scalevec import sharding
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.norms import ScaleVecNorm
+
+
+class ScaleVecMLP(MLP):
+    """megatron-core MLP + DNP norms (``gate_norm``, ``up_norm``) after ``linear_fc1``."""
+
+    def __init__(self, config, submodules, *, scalevec: ScaleVecConfig, is_expert=False,
+                 input_size=None, ffn_hidden_size=None, tp_group=None):
+        super().__init__(config, submodules, is_expert=is_expert, input_size=input_size,
+                         ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+        self.scalevec = scalevec
+        self.gate_norm = self.up_norm = None
+        if not scalevec.dnp:
+            return
+        width = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+        tp = sharding.group_size(self.tp_group)
+        if width % tp:
+            raise ValueError(f"DNP: FFN width {width} does not split over {tp} tensor-parallel "
+                             f"ranks")
+        allreduce = getattr(self.linear_fc1.weight, "allreduce", True) if is_expert else None
+
+        def norm():
+            return ScaleVecNorm(config, width // tp, config.layernorm_epsilon, scalevec=scalevec,
+                                kind="branch", tp_group=self.tp_group, split=True,
+                                expert_allreduce=allreduce)
+
+        self.up_norm = norm()
+        if config.gated_linear_unit:
+            self.gate_norm = norm()
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if self.up_norm is None:
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        h, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            h = h + bias
+        if self.config.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            h = self.config.activation_func(self.gate_norm(gate)) * self.up_norm(up)
+        else:
+            h = self.config.activation_func(self.up_norm(h))
+        if per_token_scale is not None:
+            h = (h * per_token_scale.unsqueeze(-1)).to(h.dtype)
+        out, out_bias = self.linear_fc2(h)
+        if per_token_scale is not None and out_bias is not None:
+            out = out + out_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
+            out_bias = None
+        return out, out_bias

@@ -1,0 +1,78 @@
+"""Scale-free normalization N(z), and the norm modules built from it.
+
+``ScaleVecNorm`` is a norm *and* its scale vector (it subclasses ScaleVector), so a plain
+vector keeps megatron-core's parameter name (``input_layernorm.weight``) and the ``shared``
+preset loads stock checkpoints key for key. It serves three places:
+
+* ``kind="pre"``: a Pre-Norm before attention / MLP. It has a vector only for ``shared``
+  (under HG the vectors move into the branch projections; under ``none`` there is none).
+* ``kind="final"``: the norm before the output layer; a vector unless ``none``.
+* ``kind="branch"``: DNP's per-branch norm (and QK-norm): always a vector, role Output-Norm.
+
+Under sequence parallelism a Pre-Norm sees only a shard of the tokens, so its replicated
+vector's gradient is summed over the tensor-parallel group (sharding.py); this is why our
+norm supports SP while megatron-core's ``WrappedTorchNorm`` refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_scalevec import sharding
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.vectors import ScaleVector
+
+
+def normalize(x: torch.Tensor, normalization: str, eps: float, group=None,
+              global_size: Optional[int] = None) -> torch.Tensor:
+    """N(x) over the last dim, without any learnable scale, in float32.
+
+    ``group``: the last dim is split over this group; statistics are all-reduced so the
+    result equals the unsplit one (``global_size`` is the logical width).
+    """
+    x = x.float()
+    n = global_size or x.shape[-1] * sharding.group_size(group)
+    if normalization == "RMSNorm":
+        ms = sharding.all_reduce_sum(x.pow(2).sum(-1, keepdim=True), group) / n
+        return x * torch.rsqrt(ms + eps)
+    if normalization == "LayerNorm":
+        mean = sharding.all_reduce_sum(x.sum(-1, keepdim=True), group) / n
+        xc = x - mean
+        var = sharding.all_reduce_sum(xc.pow(2).sum(-1, keepdim=True), group) / n
+        return xc * torch.rsqrt(var + eps)
+    raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
+                     f"got {normalization!r}")
+
+
+class ScaleVecNorm(ScaleVector):
+    """y = gamma * N(x); megatron-core builds it as ``build_module(spec, config=,
+    hidden_size=, eps=)``, the strategy arrives through the spec's params."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *,
+                 scalevec: ScaleVecConfig, kind: str = "pre", tp_group=None,
+                 split: bool = False, grad_group=None, expert_allreduce=None):
+        if kind not in ("pre", "final", "branch"):
+            raise ValueError(f"ScaleVecNorm kind must be pre, final or branch, got {kind!r}")
+        has_vector = {"pre": scalevec.vectors and not scalevec.hg,
+                      "final": scalevec.vectors, "branch": True}[kind]
+        if kind != "branch":
+            grad_group = sharding.seq_parallel_group(config)
+            tp_group = sharding.tp_group(is_expert=False)
+        super().__init__(
+            hidden_size, scalevec.parameterization if has_vector else None,
+            role="output" if kind == "branch" else "input", tp_group=tp_group, split=split,
+            grad_group=grad_group, expert_allreduce=expert_allreduce,
+            dtype=config.params_dtype)
+        self.kind = kind
+        self.eps = eps
+        self.normalization = config.normalization
+        normalize(torch.zeros(1, 1), self.normalization, eps)  # validate early
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = normalize(x, self.normalization, self.eps, self.split_group, self.global_size)
+        gamma = super().forward()
+        if gamma is not None:
+            y = y * gamma
+        return y.to(x.dtype)

@@ -1,0 +1,103 @@
+"""Where scale vectors live across ranks, and how their gradients are reduced.
+
+Rules (one place, so the math modules never mention process groups):
+
+* A vector is either *replicated* on its tensor-parallel group or *split* along it (the
+  output-side FFN vectors follow the column split of ``linear_fc1``). Statistics over a split
+  vector (``|u|`` for OR, ``mean(v)`` for ER, the DNP norm over the FFN width) are all-reduced
+  with :func:`all_reduce_sum`, differentiable both ways, so the result equals the unsplit one.
+* A *replicated* vector whose use sees only rank-local data (rows of a column-parallel weight,
+  local heads, a sequence-parallel shard of tokens) gets a partial gradient. We sum it in
+  autograd with :func:`reduce_grad` over that group. Nothing relies on
+  ``finalize_model_grads``' name or ``sequence_parallel`` conventions, so no vector is reduced
+  twice and the rule holds for the expert-tensor-parallel group too.
+* Expert vectors copy ``allreduce`` from their expert weight, so DDP reduces them over the
+  expert data-parallel group, never over the dense one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks; backward sums the gradients too (every rank's input feeds every output)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceGrad(torch.autograd.Function):
+    """Identity forward; sums the gradient over ``group`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)
+
+
+def reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1 or not torch.is_grad_enabled():
+        return x
+    return _ReduceGrad.apply(x, group)
+
+
+def tp_group(is_expert: bool):
+    """The tensor-parallel group a layer is split over (expert-TP for experts)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if is_expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+    return parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+
+
+def mark_split(param: torch.nn.Parameter) -> None:
+    """Mark a vector split along the tensor-parallel dimension (counted once per shard)."""
+    set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+
+
+def mark_expert(param: torch.nn.Parameter, allreduce: bool) -> None:
+    """Expert params are reduced by DDP's expert buffers (expert-DP), as their weights are."""
+    param.allreduce = allreduce
+
+
+def seq_parallel_group(config) -> Optional[object]:
+    """Group over which a norm's replicated vector sees only a shard of the tokens."""
+    if getattr(config, "sequence_parallel", False):
+        return tp_group(is_expert=False)
+    return None

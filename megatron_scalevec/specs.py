@@ -1,0 +1,196 @@
+"""ModuleSpecs for scale-vector GPT models (wiring only; the math is in layers/ and norms.py).
+
+* :func:`get_scalevec_layer_spec` -- one transformer layer (dense, or MoE with ``num_experts``).
+* :func:`get_scalevec_block_spec` -- the layers of one pipeline stage (dense or MoE per layer
+  from ``config.moe_layer_freq``) plus our final norm, for ``GPTModel(transformer_layer_spec=)``.
+* ``scalevec_dense`` / ``scalevec_moe`` -- module attributes in the form Megatron-LM's
+  ``--spec megatron_scalevec.specs scalevec_moe`` imports: a ``ModuleSpec`` of
+  ``TransformerBlock`` whose submodules are sized lazily when the block is built, from the
+  config registered with :func:`building` (our trainer) or from Megatron-LM's parsed args.
+  A layer-only spec would get megatron-core's default final norm, which has a plain gamma and
+  refuses sequence parallelism, hence a block spec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Optional, Union
+
+from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.layers import ScaleVecColumnParallelLinear, ScaleVecMLP, ScaleVecSelfAttention
+from megatron_scalevec.norms import ScaleVecNorm
+
+StrategyLike = Union[str, ScaleVecConfig]
+
+
+class _QuietCustomMLP(logging.Filter):
+    """TransformerLayer warns "Unknown MLP type" for any MLP class it does not list by
+    identity (ours included) and then builds it correctly with default kwargs."""
+
+    def filter(self, record):
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietCustomMLP())
+
+
+def as_config(scalevec: StrategyLike) -> ScaleVecConfig:
+    if isinstance(scalevec, ScaleVecConfig):
+        return scalevec
+    return ScaleVecConfig.from_string(scalevec)
+
+
+def norm_spec(scalevec: StrategyLike, kind: str = "pre") -> ModuleSpec:
+    return ModuleSpec(module=ScaleVecNorm, params={"scalevec": as_config(scalevec), "kind": kind})
+
+
+def mlp_spec(scalevec: StrategyLike) -> ModuleSpec:
+    cfg = as_config(scalevec)
+    fc1 = ModuleSpec(module=ScaleVecColumnParallelLinear,
+                     params={"scalevec": cfg, "branches": "fc1"})
+    return ModuleSpec(module=ScaleVecMLP, params={"scalevec": cfg},
+                      submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=RowParallelLinear))
+
+
+def attention_spec(scalevec: StrategyLike) -> ModuleSpec:
+    cfg = as_config(scalevec)
+    # SelfAttention calls its linear_qkv builder directly (no build_module): a partial.
+    qkv = functools.partial(ScaleVecColumnParallelLinear, scalevec=cfg, branches="qkv")
+    return ModuleSpec(
+        module=ScaleVecSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, "scalevec": cfg},
+        submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=DotProductAttention,
+                                           linear_proj=RowParallelLinear))
+
+
+def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
+                            num_experts: Optional[int] = None, **moe_options) -> ModuleSpec:
+    """A GPT layer with the strategy applied; MoE when ``num_experts`` is given."""
+    cfg = as_config(scalevec)
+    if num_experts:
+        from megatron_scalevec.moe import moe_spec  # noqa: PLC0415 (MoE is optional here)
+
+        mlp = moe_spec(cfg, num_experts=num_experts, **moe_options)
+    else:
+        mlp = mlp_spec(cfg)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm_spec(cfg, "pre"),
+            self_attention=attention_spec(cfg),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm_spec(cfg, "pre"),
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def moe_layer_pattern(config) -> list:
+    """0/1 per global layer: which layers are MoE (megatron-core's ``moe_layer_freq``)."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    if len(freq) != config.num_layers:
+        raise ValueError(f"moe_layer_freq has {len(freq)} entries for {config.num_layers} layers")
+    return list(freq)
+
+
+def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
+                            vp_stage: Optional[int] = None,
+                            pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The layers of this pipeline stage (dense or MoE each) and our final norm."""
+    cfg = as_config(scalevec)
+    pattern = moe_layer_pattern(config)
+    offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
+    n = get_num_layers_to_build(config, vp_stage, pp_rank)
+    dense = get_scalevec_layer_spec(cfg)
+    moe = get_scalevec_layer_spec(cfg, config.num_moe_experts) if any(pattern) else None
+    specs = [moe if pattern[offset + i] else dense for i in range(n)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_spec(cfg, "final"))
+
+
+_BUILD_STACK: list = []
+
+
+@contextlib.contextmanager
+def building(config, vp_stage: Optional[int] = None):
+    """Register the config a lazy ``scalevec_*`` spec sizes itself from while a model is built."""
+    _BUILD_STACK.append((config, vp_stage))
+    try:
+        yield
+    finally:
+        _BUILD_STACK.pop()
+
+
+def _build_context():
+    if _BUILD_STACK:
+        return _BUILD_STACK[-1]
+    try:  # Megatron-LM: the spec module is imported after its arguments are parsed.
+        from megatron.training import get_args  # noqa: PLC0415
+        from megatron.training.arguments import core_transformer_config_from_args  # noqa: PLC0415
+
+        args = get_args()
+    except Exception:  # noqa: BLE001 -- any failure means "not inside Megatron-LM"
+        args = None
+    if args is None:
+        raise RuntimeError(
+            "a lazy scale-vector block spec was built outside a build context: wrap the model "
+            "construction in `with megatron_scalevec.specs.building(config):` or use "
+            "get_scalevec_block_spec(config, ...)")
+    return core_transformer_config_from_args(args), \
+        parallel_state.get_virtual_pipeline_model_parallel_rank()
+
+
+class ScaleVecBlockSubmodules(TransformerBlockSubmodules):
+    """Block submodules sized when read: the layer list depends on the config and stage."""
+
+    def __init__(self, scalevec: StrategyLike):  # noqa: D107 -- not a dataclass init
+        self.scalevec = as_config(scalevec)
+
+    def _resolve(self) -> TransformerBlockSubmodules:
+        config, vp_stage = _build_context()
+        return get_scalevec_block_spec(config, self.scalevec, vp_stage)
+
+    @property
+    def layer_specs(self):
+        return self._resolve().layer_specs
+
+    @property
+    def layer_norm(self):
+        return norm_spec(self.scalevec, "final")
+
+    def __repr__(self) -> str:
+        return f"ScaleVecBlockSubmodules({self.scalevec.to_string()!r})"
+
+
+def block_module_spec(scalevec: StrategyLike) -> ModuleSpec:
+    """A ``ModuleSpec`` of TransformerBlock that Megatron-LM and GPTModel accept as is."""
+    return ModuleSpec(module=TransformerBlock, submodules=ScaleVecBlockSubmodules(scalevec))
+
+
+scalevec_dense = block_module_spec("unified")
+scalevec_moe = block_module_spec("unified")

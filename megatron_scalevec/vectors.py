@@ -1,0 +1,142 @@
+"""One learnable scale vector, under each parameterization of SPEC.md.
+
+=========  ==========================================  ========================  ==========
+name       gamma                                       parameters                at init
+=========  ==========================================  ========================  ==========
+plain      ``weight``                                  weight [m]                1
+or         ``beta * sqrt(m) * u / |u|``                magnitude [1], direction  1
+er         ``exp(alpha + v - mean(v))``                alpha [1], logit [m]      1
+=========  ==========================================  ========================  ==========
+
+Each parameter carries ``scalevec_role`` (``input``/``output``, SPEC.md's IWD table) and
+``scalevec_part`` (which of the above it is); the optimizer rules read only these two.
+Norms and means run over the whole logical vector even when it is split across ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from torch import nn
+
+from megatron_scalevec import sharding
+
+PARTS = {"plain": ("weight",), "or": ("magnitude", "direction"), "er": ("alpha", "logit")}
+DECAYED_PARTS = {"weight", "magnitude", "alpha"}  # the direction parts are scale-invariant
+
+
+class ScaleVector(nn.Module):
+    """A scale vector of logical length ``global_size``; this rank holds ``size`` entries.
+
+    Args:
+        size: local length.
+        parameterization: ``plain``, ``or``, ``er``, or ``None`` for no parameters (gamma = 1).
+        role: ``input`` or ``output`` (IWD).
+        tp_group: the tensor-parallel group of the layer that owns the vector.
+        split: True when the vector is split along ``tp_group`` (else replicated on it).
+        grad_group: the group over which this vector's *use* is partial (see sharding.py).
+        expert_allreduce: for expert vectors, the ``allreduce`` flag of the expert weights.
+    """
+
+    def __init__(self, size: int, parameterization: Optional[str] = "plain", *,
+                 role: str = "input", tp_group=None, split: bool = False, grad_group=None,
+                 expert_allreduce: Optional[bool] = None, dtype=torch.float32):
+        super().__init__()
+        if role not in ("input", "output"):
+            raise ValueError(f"ScaleVector role must be 'input' or 'output', got {role!r}")
+        self.size = size
+        self.parameterization = parameterization
+        self.role = role
+        self.tp_group = tp_group
+        self.split_group = tp_group if split and sharding.group_size(tp_group) > 1 else None
+        self.grad_group = grad_group if sharding.group_size(grad_group) > 1 else None
+        self.global_size = size * sharding.group_size(self.split_group)
+        if parameterization is None:
+            return
+        if parameterization not in PARTS:
+            raise ValueError(f"unknown parameterization {parameterization!r}")
+        init = {"weight": 1.0, "magnitude": 1.0, "direction": 1.0, "alpha": 0.0, "logit": 0.0}
+        for part in PARTS[parameterization]:
+            shape = (1,) if part in ("magnitude", "alpha") else (size,)
+            p = nn.Parameter(torch.full(shape, init[part], dtype=dtype))
+            p.scalevec_role = role
+            p.scalevec_part = part
+            if self.split_group is not None and shape != (1,):
+                sharding.mark_split(p)
+            if expert_allreduce is not None:
+                sharding.mark_expert(p, expert_allreduce)
+            self.register_parameter(part, p)
+
+    @property
+    def enabled(self) -> bool:
+        return self.parameterization is not None
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for name, p in self.named_parameters(recurse=False):
+                p.fill_(0.0 if name in ("alpha", "logit") else 1.0)
+
+    def forward(self) -> Optional[torch.Tensor]:
+        """The effective gamma [size] (float32), or None when there is no vector."""
+        kind = self.parameterization
+        if kind is None:
+            return None
+        if kind == "plain":
+            gamma = self.weight.float()
+        elif kind == "or":
+            u = self.direction.float()
+            sq = sharding.all_reduce_sum(u.pow(2).sum(), self.split_group)
+            beta = self._shared_scalar(self.magnitude.float())
+            gamma = beta * math.sqrt(self.global_size) * u * torch.rsqrt(sq)
+        else:
+            v = self.logit.float()
+            mean = sharding.all_reduce_sum(v.sum(), self.split_group) / self.global_size
+            gamma = torch.exp(self._shared_scalar(self.alpha.float()) + v - mean)
+        return sharding.reduce_grad(gamma, self.grad_group)
+
+    def _shared_scalar(self, s: torch.Tensor) -> torch.Tensor:
+        # One scalar for a vector split across ranks: each rank sees part of its gradient.
+        return sharding.reduce_grad(s, self.split_group)
+
+    @torch.no_grad()
+    def set_from_gamma(self, gamma: torch.Tensor) -> None:
+        """Set parameters so that forward() returns ``gamma`` (the local shard), exactly for
+        plain and OR, and for ER where gamma > 0. Used by conversion and tests."""
+        gamma = gamma.to(torch.float32)
+        if self.parameterization == "plain":
+            self.weight.copy_(gamma)
+        elif self.parameterization == "or":
+            sq = sharding.all_reduce_sum(gamma.pow(2).sum(), self.split_group)
+            self.direction.copy_(gamma)
+            self.magnitude.fill_(float(torch.sqrt(sq / self.global_size)))
+        elif self.parameterization == "er":
+            if bool((gamma <= 0).any()):
+                raise ValueError("ER needs gamma > 0 everywhere to take its logarithm")
+            log = gamma.log()
+            mean = sharding.all_reduce_sum(log.sum(), self.split_group) / self.global_size
+            self.logit.copy_(log - mean)
+            self.alpha.fill_(float(mean))
+        else:
+            raise ValueError("cannot set a vector that has no parameters")
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Split parts are sharded along axis 0 of their split group; scalars replicated."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axis_map = {}
+        if self.split_group is not None:
+            axis_map = {n: 0 for n in ("weight", "direction", "logit")}
+        tp = self.tp_group if self.tp_group is not None else sharding.tp_group(False)
+        dp_cp = (metadata or {}).get("dp_cp_group")
+        if dp_cp is None:
+            dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, axis_map, sharded_offsets,
+            tp_group=tp, dp_cp_group=dp_cp)
+
+    def extra_repr(self) -> str:
+        return (f"size={self.size}, global_size={self.global_size}, "
+                f"parameterization={self.parameterization}, role={self.role}")
