@@ -128,7 +128,8 @@ def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     n = get_num_layers_to_build(config, vp_stage, pp_rank)
     dense = get_scalevec_layer_spec(cfg)
-    moe = get_scalevec_layer_spec(cfg, config.num_moe_experts) if any(pattern) else None
+    moe = get_scalevec_layer_spec(cfg, config.num_moe_experts,
+                                  grouped_gemm=config.moe_grouped_gemm) if any(pattern) else None
     specs = [moe if pattern[offset + i] else dense for i in range(n)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_spec(cfg, "final"))
 

@@ -15,7 +15,6 @@ Norms and means run over the whole logical vector even when it is split across r
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -90,7 +89,8 @@ class ScaleVector(nn.Module):
             u = self.direction.float()
             sq = sharding.all_reduce_sum(u.pow(2).sum(), self.split_group)
             beta = self._shared_scalar(self.magnitude.float())
-            gamma = beta * math.sqrt(self.global_size) * u * torch.rsqrt(sq)
+            # sqrt(m) / |u| written as rsqrt(mean(u^2)): exactly 1 at init (u = 1).
+            gamma = beta * u * torch.rsqrt(sq / self.global_size)
         else:
             v = self.logit.float()
             mean = sharding.all_reduce_sum(v.sum(), self.split_group) / self.global_size

@@ -49,7 +49,9 @@ def _is_cuda_device(dev) -> bool:
     return isinstance(dev, int) and not isinstance(dev, bool)
 
 
-def _cpu_type_name(t) -> str:
+def _cpu_type(t):
+    if isinstance(t, torch.dtype):
+        return t
     name = t if isinstance(t, str) else f"{t.__module__}.{t.__name__}"
     return name.replace("torch.cuda.", "torch.")
 
@@ -82,7 +84,7 @@ def _tensor_type(func, args, kwargs):
     if dtype is None:
         name = func(self)
         return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
-    return func(self, _cpu_type_name(dtype), **kwargs)
+    return func(self, _cpu_type(dtype), **kwargs)
 
 
 _SPECIAL = {
@@ -159,6 +161,10 @@ def _patch_torch_cuda():
         "manual_seed": _seed_cpu,  # patch 5: never a no-op
         "manual_seed_all": _seed_cpu,
     }.items():
+        if not isinstance(value, type):
+            # A distinct function per name: torch._dynamo's trace rules refuse one object
+            # registered under two torch.cuda names.
+            value = (lambda fn: lambda *args, **kwargs: fn(*args, **kwargs))(value)
         setattr(cuda, name, value)
         if hasattr(cuda.random, name):
             setattr(cuda.random, name, value)

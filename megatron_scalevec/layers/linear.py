@@ -75,7 +75,10 @@ class ScaleVecLinearMixin:
         self.scale_in = torch.nn.ModuleDict()
         self.scale_out = torch.nn.ModuleDict()
         seq_group = sharding.seq_parallel_group(config) if not is_expert else None
-        in_grad_group = tp_group if mode == "weight" else seq_group
+        # Weight mode: each rank uses gamma on its rows only. Activation mode: the input grad
+        # is partial over the expert-TP group (experts skip the TP copy/gather), or over
+        # the SP group for dense layers.
+        in_grad_group = tp_group if (mode == "weight" or is_expert) else seq_group
         for name in names:
             if in_vec:
                 self.scale_in[name] = ScaleVector(

@@ -22,17 +22,17 @@ class ScaleVecMLP(MLP):
 
     def __init__(self, config, submodules, *, scalevec: ScaleVecConfig, is_expert=False,
                  input_size=None, ffn_hidden_size=None, tp_group=None):
+        width = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+        tp = sharding.group_size(tp_group or sharding.tp_group(is_expert))
+        if scalevec.dnp and width % tp:
+            raise ValueError(f"DNP: ffn_hidden_size {width} does not split over {tp} "
+                             f"tensor-parallel ranks, so its norm cannot be laid out")
         super().__init__(config, submodules, is_expert=is_expert, input_size=input_size,
                          ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
         self.scalevec = scalevec
         self.gate_norm = self.up_norm = None
         if not scalevec.dnp:
             return
-        width = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
-        tp = sharding.group_size(self.tp_group)
-        if width % tp:
-            raise ValueError(f"DNP: FFN width {width} does not split over {tp} tensor-parallel "
-                             f"ranks")
         allreduce = getattr(self.linear_fc1.weight, "allreduce", True) if is_expert else None
 
         def norm():

@@ -1,0 +1,101 @@
+"""Scale-vector variant -> stock megatron-core model (fold), exact.
+
+SPEC.md's unified view: with no normalization between them, a branch's vectors and its matrix
+are one effective weight ``diag(a) W diag(gamma)``. We take that weight from the layer itself
+(``ScaleVecColumnParallelLinear.effective_weight``, the same code the forward pass runs) and
+every gamma from ``ScaleVector.__call__`` (so OR and ER are resolved by their own code):
+
+* HG input vectors and DP output vectors -> folded into ``linear_qkv`` / ``linear_fc1``;
+  the stock Pre-Norm weight is then 1;
+* a ``shared`` Pre-Norm vector (plain, OR or ER) -> the stock Pre-Norm weight;
+* QK norms (``config.qk_layernorm``) -> stock ``q_layernorm`` / ``k_layernorm`` weights;
+* the final norm's gamma -> ``decoder.final_layernorm.weight`` (1 under ``none``).
+
+DNP's norms on V, gate and up have no stock equivalent: refused, naming the branches.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from megatron_scalevec.convert.arch import ModelArch, build_model
+from megatron_scalevec.convert.io import StateDict, check_names_and_shapes
+from megatron_scalevec.convert.warmstart import FunctionChangeError, _stock_shapes
+from megatron_scalevec.vectors import ScaleVector
+
+
+def unfoldable_branches(model) -> Dict[str, list]:
+    """branch -> layers whose DNP norm (V, gate, up) has no stock equivalent."""
+    found: Dict[str, list] = {}
+    for name, module in model.named_modules():
+        for b in ("v", "gate", "up"):
+            if name.endswith(f".{b}_norm") and module is not None:
+                found.setdefault(b, []).append(name.rsplit(".", 2)[0])
+    return found
+
+
+def _gamma_or_ones(module, size: int) -> torch.Tensor:
+    # ScaleVector.forward is the gamma; a ScaleVecNorm's own forward normalizes an input.
+    g = ScaleVector.forward(module) if module is not None and module.enabled else None
+    return torch.ones(size) if g is None else g.detach().float()
+
+
+@torch.no_grad()
+def fold_to_stock(model, arch: ModelArch):
+    """(stock full state dict, stock arch) computing the same function as ``model``
+    (a scale-vector GPTModel at TP=PP=1, any variant without DNP)."""
+    if arch.is_moe:
+        raise NotImplementedError("folding MoE checkpoints is not implemented yet")
+    bad = unfoldable_branches(model)
+    if bad:
+        where = "; ".join(f"{b}: {len(layers)} layer(s), e.g. {layers[0]}"
+                          for b, layers in bad.items())
+        raise FunctionChangeError(
+            f"cannot fold to a stock megatron-core model: DNP normalizations on branches "
+            f"{sorted(bad)} ({where}) have no stock equivalent (only Q/K norms map to "
+            f"qk_layernorm). Keep this checkpoint in the scale-vector format")
+    modules = dict(model.named_modules())
+    state = model.state_dict()
+    out: StateDict = {}
+    vector_params = {n for n, p in model.named_parameters() if hasattr(p, "scalevec_part")}
+    consumed = set()
+    h = arch.hidden_size
+    has_qk = False
+    for i in range(arch.num_layers):
+        p = f"decoder.layers.{i}."
+        for norm, lin in (("input_layernorm", "self_attention.linear_qkv"),
+                          ("pre_mlp_layernorm", "mlp.linear_fc1")):
+            out[p + norm + ".weight"] = _gamma_or_ones(modules[p + norm], h)
+            linear = modules[p + lin]
+            w = linear.weight
+            if linear.has_scale_vectors:
+                w = linear.effective_weight(w)  # diag(a) W diag(gamma) per branch
+            out[p + lin + ".weight"] = w.detach().float().clone()
+            consumed.add(p + lin + ".weight")
+        att = modules[p + "self_attention"]
+        for ours, stock in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+            norm = getattr(att, ours, None)
+            if norm is not None:
+                has_qk = True
+                out[f"{p}self_attention.{stock}.weight"] = _gamma_or_ones(norm, norm.size)
+    out["decoder.final_layernorm.weight"] = _gamma_or_ones(modules["decoder.final_layernorm"], h)
+    for name, t in state.items():
+        if name.endswith("_extra_state") or name in vector_params or name in consumed:
+            continue
+        out[name] = t.detach().float().clone()
+    stock_arch = arch.replace(scalevec="stock", qk_layernorm=has_qk)
+    check_names_and_shapes(out, _stock_shapes(stock_arch), "folded state dict")
+    return out, stock_arch
+
+
+def fold_state_dict(sd: StateDict, arch: ModelArch):
+    """Fold a full state dict of ``arch`` (our variant, or already stock) to stock."""
+    if arch.is_stock:
+        return dict(sd), arch
+    from megatron_scalevec.convert.io import load_full_into
+
+    model = build_model(arch)
+    load_full_into(model, sd, f"{arch.scalevec} state dict")
+    return fold_to_stock(model, arch)

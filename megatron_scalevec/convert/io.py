@@ -1,0 +1,285 @@
+"""Reading and writing full-tensor state dicts safely.
+
+The exchange format between converters is a *full state dict*: parameter name -> the whole
+(unsharded) tensor, with megatron-core names at TP=PP=1 (as Megatron-LM's checkpoint tools
+exchange them). On one process at TP=PP=1 that is ``model.state_dict()`` without
+``_extra_state``; dist checkpoints saved at any TP/PP/EP are read into such a model by
+megatron-core's resharding load, and a checkpoint saved from it loads at any layout.
+
+Safety rules (issue 5): nothing here unpickles code. Weights are read with safetensors;
+dist checkpoints through ``torch.load(weights_only=True)`` and a restricted unpickler for
+``torch.distributed.checkpoint``'s metadata file. Output goes to a temporary sibling
+directory that is renamed into place only when everything was written, so a failed
+conversion leaves no output directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io as _io
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from typing import Dict, Iterable, Optional
+
+import torch
+
+from megatron_scalevec.convert.arch import ARCH_FILE, ModelArch
+
+StateDict = Dict[str, torch.Tensor]
+WEIGHTS_FILE = "model.safetensors"
+
+
+def require(package: str, extra: str = "convert"):
+    """Import an optional dependency or explain how to get it."""
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:
+        raise ImportError(
+            f"this conversion needs the optional package {package!r}: "
+            f"pip install 'megatron_scalevec[{extra}]' (or pip install {package})") from e
+
+
+def progress(items: Iterable, total: Optional[int] = None, desc: str = "tensors",
+             enabled: bool = True):
+    """A progress bar over tensors (tqdm when installed, else a line every 10%)."""
+    if not enabled:
+        yield from items
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(items, total=total, desc=desc, file=sys.stderr, leave=False)
+        return
+    step = max(1, (total or 0) // 10)
+    for i, item in enumerate(items):
+        if total and (i + 1) % step == 0:
+            print(f"{desc}: {i + 1}/{total}", file=sys.stderr)
+        yield item
+
+
+def full_state_dict(model) -> StateDict:
+    """name -> full tensor of a model built at TP=PP=1 (``_extra_state`` dropped)."""
+    from megatron.core import parallel_state
+
+    if (parallel_state.get_tensor_model_parallel_world_size() != 1
+            or parallel_state.get_pipeline_model_parallel_world_size() != 1
+            or parallel_state.get_expert_model_parallel_world_size() != 1):
+        raise RuntimeError("full_state_dict needs a model built at TP=PP=EP=1; load a sharded "
+                           "checkpoint with load_dist() in one process instead")
+    return {k: v.detach().clone() for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state") and v is not None}
+
+
+def load_full_into(model, sd: StateDict, what: str = "state dict") -> None:
+    """Copy a full state dict into a TP=PP=1 model; every name and shape must match."""
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    check_names_and_shapes(sd, {k: tuple(v.shape) for k, v in own.items()}, what)
+    model.load_state_dict({**model.state_dict(), **sd}, strict=True)
+
+
+def check_names_and_shapes(sd: StateDict, expected: Dict[str, tuple], what: str) -> None:
+    """Raise naming every missing, unexpected and mis-shaped tensor (nothing is skipped)."""
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    shapes = sorted(f"{k}: {tuple(sd[k].shape)} != {expected[k]}" for k in set(sd) & set(expected)
+                    if tuple(sd[k].shape) != tuple(expected[k]))
+    if missing or unexpected or shapes:
+        raise ValueError(f"{what} does not match the target model: missing={missing[:8]} "
+                         f"(+{max(0, len(missing) - 8)}), unexpected={unexpected[:8]} "
+                         f"(+{max(0, len(unexpected) - 8)}), shape mismatches={shapes[:8]}")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str, overwrite: bool = False):
+    """Yield a temporary directory beside ``path``; rename it to ``path`` on success.
+
+    On any exception the temporary directory is removed and ``path`` is left untouched
+    (absent if it did not exist)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"output {path} exists; pass overwrite=True / --overwrite")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_safetensors(sd: StateDict, path: str, metadata: Optional[dict] = None,
+                     show_progress: bool = True, dtype: Optional[torch.dtype] = None) -> None:
+    st = require("safetensors.torch")
+    out = {}
+    for k in progress(sorted(sd), len(sd), "writing", show_progress):
+        t = sd[k].detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[k] = t.contiguous().cpu()
+    st.save_file(out, path, metadata=metadata)
+
+
+def load_safetensors(path: str) -> StateDict:
+    """Tensors from one ``.safetensors`` file or a directory of them (HF shards)."""
+    st = require("safetensors")
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, f) for f in os.listdir(path)
+                       if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors file in {path}")
+    sd: StateDict = {}
+    for file in files:
+        with st.safe_open(file, framework="pt") as f:
+            for k in f.keys():
+                if k in sd:
+                    raise ValueError(f"tensor {k!r} appears in two shards")
+                sd[k] = f.get_tensor(k)
+    return sd
+
+
+def save_full(sd: StateDict, arch: ModelArch, out_dir: str, overwrite: bool = False,
+              show_progress: bool = True) -> None:
+    """Our full format: ``scalevec_arch.json`` + ``model.safetensors``."""
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        arch.save(tmp)
+        save_safetensors(sd, os.path.join(tmp, WEIGHTS_FILE), {"format": "pt"},
+                         show_progress)
+
+
+def load_full(in_dir: str):
+    """(state dict, arch) of a directory written by :func:`save_full`."""
+    return load_safetensors(os.path.join(in_dir, WEIGHTS_FILE)), ModelArch.load(in_dir)
+
+
+# ---- dist_checkpointing (any TP/PP/EP) ---------------------------------------------------
+
+_SAFE_GLOBAL_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed._shard.",
+                         "megatron.core.dist_checkpointing.")
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+                 ("builtins", "frozenset"), ("builtins", "slice"), ("torch._utils",
+                                                                    "_rebuild_tensor_v2"),
+                 ("torch.storage", "_load_from_bytes"), ("torch", "device"),
+                 ("builtins", "getattr")}
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Loads the dist-checkpoint metadata file: its dataclasses, torch sizes and dtypes only."""
+
+    def find_class(self, module, name):
+        if module.startswith(_SAFE_GLOBAL_PREFIXES) or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint "
+                                     f"metadata (only data classes are allowed)")
+
+
+class _SafePickleModule:
+    dump = staticmethod(pickle.dump)
+    dumps = staticmethod(pickle.dumps)
+    HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+    @staticmethod
+    def load(f, **_):
+        return _DataOnlyUnpickler(f).load()
+
+    @staticmethod
+    def loads(b, **_):
+        return _DataOnlyUnpickler(_io.BytesIO(b)).load()
+
+
+@contextlib.contextmanager
+def _no_code_unpickling():
+    """While loading a dist checkpoint: torch.load only with weights_only=True, and the DCP
+    metadata file through the data-only unpickler."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        raise RuntimeError("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: refusing to load a "
+                           "checkpoint that could then run pickled code")
+    orig_load, orig_pickle = torch.load, fs.pickle
+    torch.load = functools.partial(orig_load, weights_only=True)
+    fs.pickle = _SafePickleModule
+    try:
+        yield
+    finally:
+        torch.load, fs.pickle = orig_load, orig_pickle
+
+
+def load_dist(ckpt_dir: str, arch: Optional[ModelArch] = None, scalevec: Optional[str] = None):
+    """Build ``arch`` at the current layout and load a dist checkpoint saved at any layout.
+
+    Returns the model. On one process this gives TP=PP=1, so ``full_state_dict(model)`` is
+    the checkpoint's full state dict. A Megatron-LM checkpoint keeps the model's tensors under
+    its own keys, which this reads directly (its pickled ``args`` are never loaded)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    from megatron_scalevec.convert.arch import build_model
+
+    arch = arch or ModelArch.load(ckpt_dir)
+    model = build_model(arch, scalevec)
+    sharded = {k: v for k, v in model.sharded_state_dict().items()
+               if not k.endswith("_extra_state")}
+    with _no_code_unpickling():
+        strategy = get_default_load_sharded_strategy(ckpt_dir)
+        state = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=strategy,
+                                        strict="raise_all")
+    missing = [k for k in model.state_dict() if not k.endswith("_extra_state")
+               and k not in state]
+    if missing:
+        raise ValueError(f"dist checkpoint {ckpt_dir} lacks {missing[:8]}")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def save_dist(model, out_dir: str, arch: ModelArch, overwrite: bool = False) -> None:
+    """Save a model (built at any layout, on every rank) as a layout-free dist checkpoint.
+    One process: the atomic-rename rule applies. Several ranks: rank 0 publishes."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    sharded = {k: v for k, v in model.sharded_state_dict().items()
+               if not k.endswith("_extra_state")}
+    if dist.get_world_size() == 1:
+        with atomic_output_dir(out_dir, overwrite) as tmp:
+            dist_checkpointing.save(sharded, tmp)
+            arch.save(tmp)
+        return
+    tmp = out_dir + ".tmp-dist"
+    if dist.get_rank() == 0:
+        if os.path.exists(out_dir) and not overwrite:
+            raise FileExistsError(f"output {out_dir} exists")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(sharded, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        arch.save(tmp)
+        if os.path.exists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    dist.barrier()
+
+
+def is_dist_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def is_full_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, WEIGHTS_FILE)) and \
+        os.path.isfile(os.path.join(path, ARCH_FILE))

@@ -1,0 +1,181 @@
+"""Baseline -> scale-vector variant (warm start), function-preserving.
+
+The source is a full state dict with megatron-core's stock names (``get_gpt_layer_local_spec``;
+our ``shared`` preset has the same names, its QK norms as ``q_norm``). Any other variant of
+ours is first folded to stock (fold.py), which is exact, so every variant converts to every
+other through this one path.
+
+Per layer, the Pre-Norm gamma goes where the target keeps its input-side vectors:
+
+* ``shared`` target: into the Pre-Norm vector (plain, OR or ER);
+* HG target: copied into every branch vector (``linear_qkv.scale_in.{q,k,v}``,
+  ``linear_fc1.scale_in.{gate,up}``);
+* ``none`` target: folded into the columns of ``linear_qkv`` / ``linear_fc1`` (exact).
+
+DP output vectors start at 1. Every vector is set with ``ScaleVector.set_from_gamma``, so OR
+gets ``beta = |gamma| / sqrt(m)``, ``u = gamma`` and ER needs gamma > 0 (else an error naming
+the layer). DNP adds normalizations the source does not have: refused unless
+``allow_function_change``; then its output vectors start at 1 and the report carries the
+logit difference on a sample batch.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.convert.arch import ModelArch, build_model, logits, sample_batch
+from megatron_scalevec.convert.io import StateDict, check_names_and_shapes, load_full_into
+
+# Stock names of the QK norms; our attention calls them q_norm / k_norm.
+_QK_STOCK = {"q_norm": "q_layernorm", "k_norm": "k_layernorm"}
+_DNP_ONLY = ("v_norm", "gate_norm", "up_norm")
+
+
+class FunctionChangeError(ValueError):
+    """The requested conversion cannot preserve the model's function."""
+
+
+def shared_to_stock_names(sd: StateDict) -> StateDict:
+    """Our ``shared`` preset (plain vectors) -> stock names: only the QK norms differ."""
+    out = {}
+    for k, v in sd.items():
+        for ours, stock in _QK_STOCK.items():
+            k = k.replace(f"self_attention.{ours}.weight", f"self_attention.{stock}.weight")
+        out[k] = v
+    return out
+
+
+def dnp_branches(target: ScaleVecConfig, arch: ModelArch) -> List[str]:
+    """Branches whose new normalization changes the function when warm-starting ``target``."""
+    if not target.dnp:
+        return []
+    qk = [] if arch.qk_layernorm else ["q", "k"]
+    return qk + ["v"] + (["gate", "up"] if arch.gated_linear_unit else ["up"])
+
+
+def _set_vector(vec, gamma: torch.Tensor, where: str, source_key: str) -> None:
+    if vec.parameterization == "er" and bool((gamma <= 0).any()):
+        bad = int((gamma <= 0).sum())
+        raise ValueError(
+            f"{where}: ER parameterization needs gamma > 0, but {source_key} has {bad} "
+            f"entr{'y' if bad == 1 else 'ies'} <= 0 (min {float(gamma.min()):.4g}); use the "
+            f"plain or OR parameterization for this checkpoint")
+    vec.set_from_gamma(gamma.to(torch.float32))
+
+
+def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
+               allow_function_change: bool = False, measure: bool = True):
+    """Build ``target`` (a strategy string) at TP=PP=1 and fill it from a stock full state
+    dict. Returns ``(model, report)``; report: changed branches and max logit difference."""
+    if arch.is_moe:
+        raise NotImplementedError("warm start of MoE checkpoints is not implemented yet")
+    cfg = ScaleVecConfig.from_string(target)
+    changed = dnp_branches(cfg, arch)
+    if changed and not allow_function_change:
+        raise FunctionChangeError(
+            f"target {target!r} adds DNP normalizations on branches {changed} that the source "
+            f"does not have: the converted model computes a different function. Pass "
+            f"allow_function_change=True (--allow-function-change) to convert anyway")
+    stock_sd = shared_to_stock_names(stock_sd)
+    stock_shapes = _stock_shapes(arch)
+    check_names_and_shapes(stock_sd, stock_shapes, "source (stock) state dict")
+
+    model = build_model(arch.replace(scalevec=cfg.to_string()))
+    modules = dict(model.named_modules())
+    out: Dict[str, torch.Tensor] = {}  # target name -> tensor (matrices / plain copies)
+    consumed = set()
+
+    def take(key):
+        consumed.add(key)
+        return stock_sd[key].to(torch.float32)
+
+    with torch.no_grad():
+        for i in range(arch.num_layers):
+            p = f"decoder.layers.{i}."
+            for norm, lin in (("input_layernorm", "self_attention.linear_qkv"),
+                              ("pre_mlp_layernorm", "mlp.linear_fc1")):
+                key = p + norm + ".weight"
+                gamma, w = take(key), take(p + lin + ".weight")
+                pre, linear = modules[p + norm], modules[p + lin]
+                if pre.enabled:
+                    _set_vector(pre, gamma, p + norm, key)
+                elif len(linear.scale_in):
+                    for b, vec in linear.scale_in.items():
+                        _set_vector(vec, gamma, f"{p}{lin}.scale_in.{b}", key)
+                else:  # 'none': no vector anywhere, gamma goes into the columns
+                    w = w * gamma[None, :]
+                for vec in linear.scale_out.values():
+                    vec.set_from_gamma(torch.ones(vec.size))
+                out[p + lin + ".weight"] = w
+            att = modules[p + "self_attention"]
+            for ours, stock in _QK_STOCK.items():
+                key = f"{p}self_attention.{stock}.weight"
+                norm = getattr(att, ours)
+                if key in stock_sd:
+                    if norm is None:
+                        raise ValueError(f"{key}: the target has no QK norm to receive it")
+                    _set_vector(norm, take(key), f"{p}self_attention.{ours}", key)
+                elif norm is not None:
+                    norm.set_from_gamma(torch.ones(norm.size))
+            for name in _DNP_ONLY:
+                norm = getattr(att, name, None) or getattr(modules[p + "mlp"], name, None)
+                if norm is not None:
+                    norm.set_from_gamma(torch.ones(norm.size))
+        final = modules["decoder.final_layernorm"]
+        key = "decoder.final_layernorm.weight"
+        gamma = take(key)
+        if final.enabled:
+            _set_vector(final, gamma, "decoder.final_layernorm", key)
+        elif not torch.equal(gamma, torch.ones_like(gamma)):
+            if arch.tie_embeddings:
+                raise FunctionChangeError(
+                    "target 'none' has no final-norm vector and the output layer is tied to "
+                    "the embedding, so the final gamma cannot be folded anywhere")
+            out["output_layer.weight"] = take("output_layer.weight") * gamma[None, :]
+
+        vector_names = _vector_names(model)
+        for name in model.state_dict():
+            if name.endswith("_extra_state") or name in vector_names or name in out:
+                continue
+            if name not in stock_sd:
+                raise ValueError(f"target tensor {name} has no source in the stock state dict")
+            out[name] = take(name)
+        leftover = sorted(set(stock_sd) - consumed)
+        if leftover:
+            raise ValueError(f"source tensors not used by the conversion: {leftover[:8]}")
+        own = {k: v for k, v in model.state_dict().items() if k in out}
+        for k, v in out.items():
+            own[k].copy_(v)
+
+    report = {"target": cfg.to_string(), "changed_branches": changed}
+    if measure:
+        report["max_logit_diff"] = compare_with_stock(model, stock_sd, arch)
+    return model, report
+
+
+def compare_with_stock(model, stock_sd: StateDict, arch: ModelArch) -> float:
+    """Max |logits(model) - logits(stock model with stock_sd)| on a sample batch."""
+    ref = build_model(arch.replace(scalevec="stock"))
+    load_full_into(ref, shared_to_stock_names(stock_sd), "stock state dict")
+    tokens, pos = sample_batch(arch)
+    return float((logits(model, tokens, pos) - logits(ref, tokens, pos)).abs().max())
+
+
+def _vector_names(model) -> set:
+    return {n for n, p in model.named_parameters() if hasattr(p, "scalevec_part")}
+
+
+_SHAPES_CACHE: Dict[str, Dict[str, tuple]] = {}
+
+
+def _stock_shapes(arch: ModelArch) -> Dict[str, tuple]:
+    """Names and shapes of the stock model of ``arch`` (built once per arch)."""
+    key = arch.replace(scalevec="stock").to_json()
+    if key not in _SHAPES_CACHE:
+        ref = build_model(arch.replace(scalevec="stock"))
+        _SHAPES_CACHE[key] = {k: tuple(v.shape) for k, v in ref.state_dict().items()
+                              if not k.endswith("_extra_state")}
+    return _SHAPES_CACHE[key]

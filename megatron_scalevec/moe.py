@@ -1,0 +1,246 @@
+"""Mixture-of-Experts with scale vectors, on megatron-core's MoELayer (wiring plus three
+small subclasses; the per-branch math is the dense one from layers/).
+
+The layer follows megatron-core's local MoE spec (router, token dispatcher, experts, optional
+shared experts). The Pre-Norm before it (``pre_mlp_layernorm``, a :class:`ScaleVecNorm`) is
+shared by the router and every expert; under HG it has no vector of its own, and instead:
+
+* the router gets ``gamma_r`` in R^h: ``logits = (W_r diag(gamma_r)) N(x)``, folded into the
+  gating weight (one small GEMM, :class:`ScaleVecTopKRouter`);
+* every expert ``e`` gets ``gamma_g^e, gamma_u^e`` in R^h in its ``linear_fc1`` (a
+  :class:`ScaleVecColumnParallelLinear` built with ``is_expert=True``), and DP / DNP output
+  vectors ``a_g^e, a_u^e`` in R^f (f = ``moe_ffn_hidden_size``; DNP normalizes over the expert's
+  whole FFN width, all-reduced over the expert-tensor-parallel group when split);
+* shared experts get their own, as a dense MLP of width ``moe_shared_expert_intermediate_size``.
+
+OR / ER apply to all of them. Aux-loss, z-loss and aux-loss-free (expert bias) balancing are
+megatron-core's, untouched: ``gamma_r`` only changes the logits they read.
+
+Where expert vectors live: on the rank holding the expert (EP), split with ``linear_fc1``'s
+columns under expert TP, reduced in autograd over the expert-TP group only (never the dense TP
+group), and over the expert data-parallel group by DDP (they copy ``allreduce`` from the expert
+weight). None carries ``sequence_parallel``. ``SequentialMLP.sharded_state_dict`` prepends the
+global expert axis to every sharded tensor of an expert, so vectors are saved at global expert
+ids like the weights.
+
+Parameter count
+---------------
+New parameters relative to megatron-core's own (``shared``) layers, per MoE layer, with ``h``
+the hidden size, ``E`` experts, ``f`` the expert FFN width, ``f_s`` the shared-expert width
+(0 without), ``G = 2`` branches for a gated MLP (1 otherwise), ``s = 1`` under OR/ER (a scalar
+per vector) else 0, ``[.]`` 1 when the variant is on::
+
+    router   [hg] (h + s)
+    experts  E * ( [hg] G (h + s) + [dp or dnp] G (f + s) )
+    shared   [f_s > 0] ( [hg] G (h + s) + [dp or dnp] G (f_s + s) )
+    pre-norm [hg] (-h)      (its gamma moved into the branches); [shared and or/er] (+s)
+
+The fraction of an expert's 3hf (gated) weights is about 2/(3f) + 2/(3h) for HG+DNP, which
+does not shrink with the number of experts. :func:`moe_new_parameters` evaluates this (and the
+attention / dense terms) and tests check it against a built model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.layers import ScaleVecColumnParallelLinear, ScaleVecMLP
+from megatron_scalevec.vectors import ScaleVector
+
+__all__ = ["ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP", "ScaleVecTopKRouter",
+           "grouped_gemm_available", "moe_new_parameters", "moe_spec"]
+
+
+class ScaleVecTopKRouter(TopKRouter):
+    """TopKRouter whose gating GEMM reads ``W_r diag(gamma_r)`` (HG's router vector).
+
+    ``gamma_r`` is replicated over TP; under sequence parallelism each rank routes only its
+    shard of the tokens, so its gradient is summed over the TP group in autograd (the router
+    weight itself keeps megatron-core's ``sequence_parallel`` attribute and reduction).
+    """
+
+    def __init__(self, config, pg_collection=None, *, scalevec: ScaleVecConfig):
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.scalevec = scalevec
+        self.scale_in = None
+        if scalevec.hg and scalevec.vectors:
+            self.scale_in = ScaleVector(
+                config.hidden_size, scalevec.parameterization, role="input",
+                tp_group=self.tp_group,
+                grad_group=self.tp_group if config.sequence_parallel else None,
+                dtype=config.params_dtype)
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        if self.scale_in is None:
+            return super().gating(input)
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
+            self.config.moe_router_dtype, input.dtype)
+        gamma = self.scale_in()  # [h], float32
+        weight = (self.weight.float() * gamma).to(self.weight.dtype)  # [E, h]
+        return moe_utils.router_gating_linear(input, weight, self.bias, router_dtype)
+
+
+class ScaleVecSequentialMLP(SequentialMLP):
+    """SequentialMLP whose local experts are :class:`ScaleVecMLP` (DNP needs the MLP class).
+
+    megatron-core's constructor hard-codes ``MLP(...)``; we let it build zero experts (so it
+    still sets up its groups and config) and append ours with the same arguments.
+    """
+
+    def __init__(self, num_local_experts, config, submodules: MLPSubmodules,
+                 pg_collection=None, *, scalevec: ScaleVecConfig):
+        if config.moe_grouped_gemm:
+            raise ValueError("config.moe_grouped_gemm=True, but this MoE spec was built with "
+                             "sequential experts: build it with moe_spec(..., grouped_gemm=True)")
+        super().__init__(0, config, submodules, pg_collection=pg_collection)
+        self.num_local_experts = num_local_experts
+        for _ in range(num_local_experts):
+            self.local_experts.append(ScaleVecMLP(
+                self.config, submodules, scalevec=scalevec, is_expert=True,
+                ffn_hidden_size=self.config.moe_ffn_hidden_size, tp_group=self.tp_group))
+
+
+class _DeferredScaleVecMLP(ScaleVecMLP):
+    """ScaleVecMLP built through ``SharedExpertMLP.__init__``, which calls ``MLP.__init__``
+    without our ``scalevec`` argument: the strategy is read from the instance instead."""
+
+    def __init__(self, config, submodules, tp_group=None, **kwargs):
+        super().__init__(config, submodules, scalevec=self._pending_scalevec,
+                         ffn_hidden_size=config.ffn_hidden_size, tp_group=tp_group, **kwargs)
+
+
+class ScaleVecSharedExpertMLP(SharedExpertMLP, _DeferredScaleVecMLP):
+    """SharedExpertMLP with the dense MLP's vectors (HG/DP in ``linear_fc1``, DNP norms).
+
+    The MRO puts ScaleVecMLP between SharedExpertMLP and MLP, so the stock gate and
+    ``forward`` run around our DNP forward.
+    """
+
+    def __init__(self, config, submodules, gate: bool, pg_collection=None, *,
+                 scalevec: ScaleVecConfig):
+        if scalevec.dnp and config.moe_shared_expert_overlap:
+            raise NotImplementedError(
+                "DNP on shared experts with moe_shared_expert_overlap: the overlapped path runs "
+                "fc1/act/fc2 piecewise inside the dispatcher and would skip the DNP norms")
+        object.__setattr__(self, "_pending_scalevec", scalevec)
+        super().__init__(config, submodules, gate, pg_collection)
+
+
+def grouped_gemm_available() -> bool:
+    """True when a grouped-GEMM expert backend (Transformer Engine or nv-grouped-gemm) imports."""
+    from megatron.core.transformer.moe import experts, grouped_gemm_util  # noqa: PLC0415
+
+    return bool(getattr(experts, "HAVE_TE", False)) or grouped_gemm_util.grouped_gemm_is_available()
+
+
+def _grouped_experts_spec(cfg: ScaleVecConfig) -> ModuleSpec:
+    """Stock grouped-GEMM experts, allowed only when no expert carries a vector."""
+    if not grouped_gemm_available():
+        raise RuntimeError(
+            "grouped_gemm=True needs Transformer Engine or nv-grouped-gemm, neither imports "
+            "here; use grouped_gemm=False (SequentialMLP experts)")
+    if cfg.hg or cfg.dp or cfg.dnp:
+        raise NotImplementedError(
+            f"per-expert scale vectors ({cfg.to_string()}) are implemented for SequentialMLP "
+            "experts only; grouped-GEMM experts would need them folded into the grouped "
+            "weights: use grouped_gemm=False")
+    from megatron.core.extensions.transformer_engine_spec_provider import (  # noqa: PLC0415
+        TESpecProvider,
+    )
+    from megatron.core.models.backends import LocalSpecProvider  # noqa: PLC0415
+    from megatron.core.transformer.moe import experts  # noqa: PLC0415
+
+    backend = TESpecProvider() if experts.HAVE_TE else LocalSpecProvider()
+    module, submodules = backend.grouped_mlp_modules(True, not experts.HAVE_TE)
+    return ModuleSpec(module=module, submodules=submodules)
+
+
+def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False) -> ModuleSpec:
+    """ModuleSpec of an MoE layer (megatron-core's MoELayer) with the strategy applied.
+
+    Shared experts are built when ``config.moe_shared_expert_intermediate_size`` is set, as in
+    megatron-core; the dispatcher is ``config.moe_token_dispatcher_type``.
+    """
+    if not num_experts or num_experts < 1:
+        raise ValueError(f"moe_spec needs num_experts >= 1, got {num_experts!r}")
+    fc1 = ModuleSpec(module=ScaleVecColumnParallelLinear, params={"scalevec": cfg,
+                                                                  "branches": "fc1"})
+    mlp = MLPSubmodules(linear_fc1=fc1, linear_fc2=RowParallelLinear)
+    if grouped_gemm:
+        experts = _grouped_experts_spec(cfg)
+    else:
+        experts = ModuleSpec(module=ScaleVecSequentialMLP, params={"scalevec": cfg},
+                             submodules=mlp)
+    shared = ModuleSpec(module=ScaleVecSharedExpertMLP, params={"scalevec": cfg}, submodules=mlp)
+    router = functools.partial(ScaleVecTopKRouter, scalevec=cfg)
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(experts=experts, shared_experts=shared, router=router),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
+def moe_new_parameters(cfg: ScaleVecConfig, *, num_layers: int, hidden: int, heads: int,
+                       query_groups: int, head_dim: int, ffn: int, num_experts: int,
+                       moe_ffn: int, shared_ffn: int = 0, moe_layers: Optional[list] = None,
+                       gated: bool = True) -> dict:
+    """New parameters vs megatron-core's own layers, by place (the formula in the docstring,
+    plus attention, dense-MLP and final-norm terms). ``moe_layers``: 0/1 per layer
+    (default: all MoE). Without ``qk_layernorm``."""
+    if not cfg.vectors:  # `none` removes every gamma: 2 per layer and the final one
+        return {"total": -(2 * num_layers + 1) * hidden}
+    s = 1 if cfg.parameterization != "plain" else 0
+    g = 2 if gated else 1
+    out_vec = cfg.dp or cfg.dnp
+
+    def branch_mlp(width):
+        return (g * (hidden + s) if cfg.hg else 0) + (g * (width + s) if out_vec else 0)
+
+    def pre_norm():
+        return -hidden if cfg.hg else s
+
+    pattern = moe_layers if moe_layers is not None else [1] * num_layers
+    # q/k/v output vectors are R^head_dim, shared across heads.
+    attention = (3 * (hidden + s) if cfg.hg else 0) + (3 * (head_dim + s) if out_vec else 0)
+    parts = {"attention": num_layers * (attention + pre_norm()), "final_norm": s,
+             "router": 0, "experts": 0, "shared_experts": 0, "dense_mlp": 0}
+    for is_moe in pattern:
+        parts["dense_mlp" if not is_moe else "experts"] += pre_norm()
+        if not is_moe:
+            parts["dense_mlp"] += branch_mlp(ffn)
+            continue
+        parts["router"] += (hidden + s) if cfg.hg else 0
+        parts["experts"] += num_experts * branch_mlp(moe_ffn)
+        parts["shared_experts"] += branch_mlp(shared_ffn) if shared_ffn else 0
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def moe_model_parameters(*, num_layers: int, hidden: int, heads: int, query_groups: int,
+                         head_dim: int, ffn: int, num_experts: int, moe_ffn: int,
+                         shared_ffn: int = 0, vocab: int, moe_layers: Optional[list] = None,
+                         gated: bool = True, tied: bool = False) -> dict:
+    """Parameters of the stock (``shared``) GPT model without biases: total and active."""
+    g = 2 if gated else 1
+    attn = hidden * head_dim * (heads + 2 * query_groups) + heads * head_dim * hidden
+    expert = (g + 1) * hidden * moe_ffn
+    shared = (g + 1) * hidden * shared_ffn
+    pattern = moe_layers if moe_layers is not None else [1] * num_layers
+    total = vocab * hidden * (1 if tied else 2) + hidden
+    for is_moe in pattern:
+        total += attn + 2 * hidden
+        total += (num_experts * expert + shared + num_experts * hidden) if is_moe \
+            else (g + 1) * hidden * ffn
+    return {"total": total}

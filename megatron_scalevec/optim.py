@@ -1,0 +1,201 @@
+"""Individualized weight decay (IWD) through megatron-core's optimizer parameter groups.
+
+The policy is a short ordered list of named rules; the first rule that matches a parameter
+decides its group. Rules read only ``scalevec_role`` / ``scalevec_part`` (vectors.py), the
+shape and the name, never a layer class:
+
+==================  ===================================================  ================
+rule                matches                                               weight decay
+==================  ===================================================  ================
+input_vectors       Input-Norm vector parts: plain ``weight``, OR         scale-vector wd
+                    ``magnitude``, ER ``alpha`` (+ direction/logit with
+                    ``decay_direction``)
+input_directions    the scale-invariant direction/logit of Input-Norm    none
+output_vectors      every Output-Norm vector part                         none
+other_1d            any other 1-D parameter or bias (Megatron default)   none
+matrices            everything else (Megatron default)                    the matrices' wd
+==================  ===================================================  ================
+
+Without IWD the list is Megatron's own default (``other_1d`` + ``matrices``).
+
+Rules become megatron-core ``ParamKey`` -> ``ParamGroupOverride`` entries merged with
+``get_standard_config_overrides`` (whose 1-D rule ours replaces, since two conflicting
+``wd_mult`` overrides raise). ``wd_mult`` and ``start_wd``/``end_wd`` take effect only when
+``OptimizerParamScheduler.step()`` runs: the trainer steps it once before the first update.
+
+Muon: megatron-core 0.16.1 ships ``get_megatron_muon_optimizer`` (needs the optional
+``emerging_optimizers`` package and no distributed optimizer). It orthogonalizes 2-D
+non-embedding weights only and sends every other parameter to its Adam part; scale vectors are
+1-D (scalars ``[1]``), so they always land in the Adam part with the same overrides.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import (
+    OptimizerConfig,
+    ParamKey,
+    ParamWithNamePredicate,
+    get_megatron_optimizer,
+    get_standard_config_overrides,
+)
+from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.vectors import DECAYED_PARTS
+
+logger = logging.getLogger(__name__)
+
+NO_DECAY: ParamGroupOverride = {"wd_mult": 0.0}
+
+
+@dataclass(frozen=True)
+class DecayRule:
+    """One named weight-decay rule: a predicate, the override it applies, and whether the
+    strategy guarantees a match (a required rule that matches nothing is a bug)."""
+
+    name: str
+    match: Callable[[torch.nn.Parameter, str], bool]
+    override: Optional[ParamGroupOverride]  # None: Megatron's default (decay as matrices)
+    required: bool = False
+    decays: bool = False
+
+
+def _role(p) -> Optional[str]:
+    return getattr(p, "scalevec_role", None)
+
+
+def _part(p) -> Optional[str]:
+    return getattr(p, "scalevec_part", None)
+
+
+def _is_1d_or_bias(p, name: str) -> bool:
+    return p.dim() == 1 or name.endswith(".bias")
+
+
+def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> List[DecayRule]:
+    """The ordered rules for ``scalevec`` (first match wins)."""
+    rules = []
+    if scalevec.iwd:
+        decayed = set(DECAYED_PARTS)
+        if scalevec.decay_direction:
+            decayed |= {"direction", "logit"}
+        vec_override: ParamGroupOverride = {"wd_mult": 1.0}
+        if scalevec.scale_vector_weight_decay is not None:
+            svwd = float(scalevec.scale_vector_weight_decay)
+            vec_override = {"wd_mult": 1.0, "start_wd": svwd, "end_wd": svwd}
+        rules += [
+            DecayRule("input_vectors",
+                      lambda p, n: _role(p) == "input" and _part(p) in decayed,
+                      vec_override, required=True, decays=True),
+            DecayRule("input_directions", lambda p, n: _role(p) == "input", NO_DECAY),
+            DecayRule("output_vectors", lambda p, n: _role(p) == "output", NO_DECAY,
+                      required=scalevec.dnp or (scalevec.dp and scalevec.dp_output_role ==
+                                                "output")),
+        ]
+    rules += [
+        DecayRule("other_1d", _is_1d_or_bias, NO_DECAY),
+        DecayRule("matrices", lambda p, n: True, None, required=True, decays=weight_decay > 0),
+    ]
+    return rules
+
+
+def classify(rules: Sequence[DecayRule], param, name: str) -> DecayRule:
+    for rule in rules:
+        if rule.match(param, name):
+            return rule
+    raise AssertionError("the last rule matches everything")
+
+
+def config_overrides(rules: Sequence[DecayRule], config: OptimizerConfig
+                     ) -> Dict[ParamKey, ParamGroupOverride]:
+    """megatron-core overrides: the standard ones minus their 1-D wd rule, plus ours."""
+    overrides = {k: v for k, v in get_standard_config_overrides(config).items()
+                 if dict(v) != dict(NO_DECAY)}
+    for rule in rules:
+        if rule.override is None:
+            continue
+
+        def first_match(p, n, _rule=rule):
+            return classify(rules, p, n) is _rule
+
+        key = ParamKey(with_name_predicate=ParamWithNamePredicate(
+            name=f"scalevec_iwd_{rule.name}", fn=first_match))
+        overrides[key] = rule.override
+    return overrides
+
+
+def _named_params(model_chunks):
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            if p.requires_grad:
+                yield name, p
+
+
+def decay_summary(rules: Sequence[DecayRule], model_chunks, weight_decay: float,
+                  scalevec: ScaleVecConfig) -> str:
+    """One screen: tensors and parameters per rule (this rank's shards; a rule's match is
+    checked over all ranks). Raises if a required rule matches nothing anywhere."""
+    counts = {r.name: [0, 0] for r in rules}
+    for name, p in _named_params(model_chunks):
+        c = counts[classify(rules, p, name).name]
+        c[0] += 1
+        c[1] += p.numel()
+    totals = torch.tensor([counts[r.name][0] for r in rules], dtype=torch.long)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals)
+    missing = [r.name for r, t in zip(rules, totals.tolist()) if r.required and t == 0]
+    if missing:
+        raise RuntimeError(f"IWD rule(s) {missing} matched no parameter on any rank for strategy "
+                           f"{scalevec.to_string()!r}: the model does not carry the scale-vector "
+                           f"attributes the strategy implies (built with the wrong spec?)")
+    svwd = scalevec.scale_vector_weight_decay
+    lines = [f"weight decay groups (strategy {scalevec.to_string()}, matrices wd={weight_decay}, "
+             f"scale-vector wd={weight_decay if svwd is None else svwd}; this rank's shards):",
+             f"  {'rule':<18}{'decay':>7}{'tensors':>9}{'params':>13}"]
+    for r in rules:
+        decay = "yes" if (r.decays if r.name != "input_vectors" else
+                          (svwd if svwd is not None else weight_decay) > 0) else "no"
+        n_t, n_p = counts[r.name]
+        lines.append(f"  {r.name:<18}{decay:>7}{n_t:>9}{n_p:>13,}")
+    return "\n".join(lines)
+
+
+def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecConfig,
+                    use_muon: bool = False, log: Callable[[str], None] = print):
+    """``get_megatron_optimizer`` (or Muon) with the IWD rules; logs the one-screen summary."""
+    rules = decay_rules(scalevec, config.weight_decay)
+    summary = decay_summary(rules, model_chunks, config.weight_decay, scalevec)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log(summary)
+    overrides = config_overrides(rules, config)
+    if use_muon:
+        from megatron.core.optimizer.muon import get_megatron_muon_optimizer  # noqa: PLC0415
+
+        return get_megatron_muon_optimizer(config, model_chunks, config_overrides=overrides)
+    return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+
+
+def effective_decay(optimizer, model_chunks) -> Dict[str, float]:
+    """Model parameter name -> the weight decay its optimizer group applies now (after the
+    scheduler stepped). Works for the plain and the distributed optimizer."""
+    by_param = {}
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in opts:
+        groups = opt.optimizer.param_groups
+        model_groups = getattr(opt, "model_float16_groups", None)
+        if model_groups is not None:  # distributed or mixed-precision: index-aligned groups
+            fp32 = opt.model_fp32_groups
+            for gi, group in enumerate(groups):
+                for p in list(model_groups[gi]) + list(fp32[gi]):
+                    by_param[p] = group["weight_decay"]
+        else:
+            for group in groups:
+                for p in group["params"]:
+                    by_param[p] = group["weight_decay"]
+    return {n: by_param[p] for n, p in _named_params(model_chunks) if p in by_param}

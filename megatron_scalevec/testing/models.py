@@ -1,0 +1,169 @@
+"""Tiny GPT models and the layout-equality harness the tests and benchmarks share.
+
+The harness answers "does layout L compute the same thing as one process?" without any
+hand-written resharding: reference weights are saved once with ``dist_checkpointing`` at
+TP=PP=1 and loaded at layout L (megatron-core does the slicing); gradients or updated weights
+are saved the same way and read back as full tensors with ``load_plain_tensors``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_scalevec.specs import get_scalevec_block_spec
+
+VOCAB = 64
+SEQ = 16
+
+
+def tiny_config(**overrides) -> TransformerConfig:
+    """A 2-layer GQA SwiGLU RMSNorm model at the current parallel layout, fusions off."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    kw = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_gpt(config: TransformerConfig, strategy: Optional[str], seed: int = 7) -> GPTModel:
+    """``strategy=None`` builds megatron-core's own local spec (the stock baseline)."""
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    if strategy is None:
+        spec = get_gpt_layer_local_spec(normalization=config.normalization,
+                                         qk_layernorm=config.qk_layernorm)
+    else:
+        spec = get_scalevec_block_spec(config, strategy)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope",
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
+
+
+def _seed_of(name: str) -> int:
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
+
+
+@torch.no_grad()
+def perturb_vectors(model: torch.nn.Module, scale: float = 0.2) -> int:
+    """Move every scale-vector parameter away from its init (by name, so layout-free at
+    TP=PP=1). Returns how many tensors were changed."""
+    n = 0
+    for name, p in model.named_parameters():
+        if hasattr(p, "scalevec_part"):
+            g = torch.Generator().manual_seed(_seed_of(name))
+            p.add_(scale * torch.randn(p.shape, generator=g))
+            n += 1
+    return n
+
+
+def batches(num: int, micro_batch: int, seed: int = 3) -> list:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        tokens = torch.randint(0, VOCAB, (micro_batch, SEQ + 1), generator=g)
+        out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                    "position_ids": torch.arange(SEQ).expand(micro_batch, SEQ)})
+    return out
+
+
+def wrap_ddp(model, config, distributed_optimizer: bool = False):
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer)
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1e-2):
+    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, bf16=False, fp16=False,
+                          use_distributed_optimizer=distributed_optimizer, clip_grad=0.0)
+    return get_megatron_optimizer(cfg, [ddp_model])
+
+
+def train_steps(ddp_model, config, data: list, steps: int, optimizer=None) -> list:
+    """Run ``steps`` iterations over this data-parallel rank's share of ``data``
+    (micro-batches); returns the loss of each step averaged over all ranks' micro-batches."""
+    dp = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    mine = data[dp_rank::dp]
+    fwd_bwd = get_forward_backward_func()
+    config.finalize_model_grads_func = finalize_model_grads
+    losses = []
+    for _ in range(steps):
+        ddp_model.zero_grad_buffer()
+        if optimizer is not None:
+            optimizer.zero_grad()
+        it = iter(mine)
+
+        def step(data_iterator, model):
+            b = next(data_iterator)
+            out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            return out, lambda t: (t.float().mean(), {"loss": t.float().mean().detach()})
+
+        res = fwd_bwd(forward_step_func=step, data_iterator=it, model=[ddp_model],
+                      num_microbatches=len(mine), seq_length=SEQ,
+                      micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
+        loss = torch.tensor(0.0)
+        if parallel_state.is_pipeline_last_stage():
+            loss = torch.stack([r["loss"] for r in res]).mean()
+        torch.distributed.all_reduce(loss)  # loss lives on the last stage; mean over DP
+        losses.append(float(loss) / (dp * parallel_state.get_tensor_model_parallel_world_size()))
+        if optimizer is not None:
+            optimizer.step()
+    return losses
+
+
+def save_model(model, directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), directory)
+
+
+def load_model(model, directory: str) -> None:
+    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
+    model.load_state_dict(state)
+
+
+@torch.no_grad()
+def save_grads(model, directory: str) -> None:
+    """Save ``main_grad`` (after finalize) in the weights' checkpoint layout."""
+    saved = {}
+    for name, p in model.named_parameters():
+        saved[name] = p.data.clone()
+        p.data.copy_(p.main_grad if getattr(p, "main_grad", None) is not None else p.grad)
+    save_model(model, directory)
+    for name, p in model.named_parameters():
+        p.data.copy_(saved[name])
+
+
+def plain_tensors(directory: str) -> dict:
+    """Full tensors of a checkpoint by key (no model needed)."""
+    sd = dist_checkpointing.load_plain_tensors(directory)
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def max_differences(a: dict, b: dict) -> dict:
+    """Per-key max |a - b|; a key present in one only is an error."""
+    if set(a) != set(b):
+        raise AssertionError(f"checkpoint keys differ: {sorted(set(a) ^ set(b))[:10]}")
+    return {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}

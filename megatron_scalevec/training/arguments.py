@@ -1,0 +1,224 @@
+"""Trainer flags (Megatron-LM names where one exists) and their validation.
+
+Validation runs before anything is initialized or written, so a bad flag costs no output.
+With no flags at all the defaults are the embedded default run: a small MoE model with the
+unified strategy, trained on CPU in a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+SPECS = ("scalevec_moe", "scalevec_dense", "baseline")
+DECAY_STYLES = ("cosine", "linear", "constant", "WSD")
+
+
+class ArgumentError(ValueError):
+    """A bad flag or a flag combination that cannot work (message names the flag)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # raise instead of sys.exit so main(argv) is testable
+        raise ArgumentError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="pretrain_gpt.py", description="Pre-train a GPT model with scale vectors "
+                "(megatron-core). No flags: the embedded default run.")
+    g = p.add_argument_group("strategy")
+    g.add_argument("--spec", default="scalevec_moe", help=f"one of {', '.join(SPECS)}")
+    g.add_argument("--scalevec", default=None,
+                   help="strategy string (e.g. hg+dnp+or+iwd); default: unified for scalevec_*")
+    g.add_argument("--scale-vector-weight-decay", type=float, default=None,
+                   help="decay of Input-Norm vectors (default: --weight-decay)")
+    g.add_argument("--decay-direction", action="store_true",
+                   help="under OR/ER also decay the direction/logit part")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--normalization", default="RMSNorm", choices=("RMSNorm", "LayerNorm"))
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="only for --mock-data (a real tokenizer sets it)")
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None)
+    g.add_argument("--moe-layer-freq", type=int, default=1)
+    g.add_argument("--moe-token-dispatcher-type", default="alltoall",
+                   choices=("allgather", "alltoall"))
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"))
+    g.add_argument("--bf16", action="store_true")
+
+    g = p.add_argument_group("optimizer")
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon"))
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-decay-style", default="cosine", choices=DECAY_STYLES)
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-style", default="linear",
+                   choices=("linear", "cosine", "exponential", "minus_sqrt"))
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=150)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (and save) after this iteration, as if killed")
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--split", default="98,2,0")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--mock-data", action="store_true",
+                   help="megatron-core's MockGPTDataset (no corpus, no tokenizer)")
+
+    g = p.add_argument_group("logging, evaluation, checkpoints")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=50)
+    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--run-dir", default=None,
+                   help="where metrics.jsonl and the loss plot go (default: --save, else "
+                        "runs/<spec>)")
+    g.add_argument("--no-plot", action="store_true", help="do not write loss.png at the end")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="log to the JSONL file only")
+    return p
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ArgumentError(msg)
+
+
+def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
+    """Parse and validate; fills derived sizes. Raises ArgumentError; writes nothing."""
+    a = build_parser().parse_args(argv)
+    _need(a.spec in SPECS, f"--spec {a.spec!r} is unknown; choose one of {', '.join(SPECS)}")
+    from megatron_scalevec.config import ScaleVecConfig  # noqa: PLC0415
+
+    if a.spec == "baseline":
+        _need(a.scalevec in (None, "shared", "baseline"),
+              f"--spec baseline is megatron-core's own layer spec (strategy 'shared'); for "
+              f"--scalevec {a.scalevec!r} use --spec scalevec_dense or scalevec_moe")
+        a.scalevec = "shared"
+    a.scalevec = a.scalevec or "unified"
+    try:
+        a.scalevec_config = ScaleVecConfig.from_string(
+            a.scalevec, scale_vector_weight_decay=a.scale_vector_weight_decay,
+            decay_direction=a.decay_direction)
+    except ValueError as e:
+        raise ArgumentError(f"--scalevec: {e}") from None
+    if a.spec == "scalevec_moe" and a.num_experts is None:
+        a.num_experts = 4
+    if a.spec == "scalevec_dense":
+        _need(not a.num_experts, "--spec scalevec_dense is dense: drop --num-experts or use "
+                                 "--spec scalevec_moe")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "log_interval", "eval_iters"):
+        _need(getattr(a, name) > 0, f"--{name.replace('_', '-')} must be > 0")
+    a.num_query_groups = a.num_query_groups or a.num_attention_heads
+    a.ffn_hidden_size = a.ffn_hidden_size or 4 * a.hidden_size
+    a.moe_ffn_hidden_size = a.moe_ffn_hidden_size or a.ffn_hidden_size
+    a.max_position_embeddings = a.max_position_embeddings or a.seq_length
+    _need(a.hidden_size % a.num_attention_heads == 0,
+          f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
+          f"{a.num_attention_heads}")
+    _need(a.num_attention_heads % a.num_query_groups == 0,
+          f"--num-attention-heads {a.num_attention_heads} is not divisible by "
+          f"--num-query-groups {a.num_query_groups}")
+    tp, pp, ep = (a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                  a.expert_model_parallel_size)
+    etp = a.expert_tensor_parallel_size or tp
+    a.expert_tensor_parallel_size = etp
+    for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                    ("--expert-model-parallel-size", ep)):
+        _need(v >= 1, f"{flag} must be >= 1")
+    _need(world_size % (tp * pp) == 0,
+          f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+          f"--pipeline-model-parallel-size {pp}")
+    dp = world_size // (tp * pp)
+    _need(world_size % (etp * ep * pp) == 0,
+          f"world size {world_size} is not divisible by expert-tensor {etp} x expert {ep} x "
+          f"pipeline {pp} parallel sizes")
+    for flag, v in (("--num-attention-heads", a.num_attention_heads),
+                    ("--num-query-groups", a.num_query_groups),
+                    ("--ffn-hidden-size", a.ffn_hidden_size)):
+        _need(v % tp == 0, f"{flag} {v} is not divisible by --tensor-model-parallel-size {tp}")
+    vpp = a.virtual_pipeline_model_parallel_size or 1
+    _need(a.num_layers % (pp * vpp) == 0,
+          f"--num-layers {a.num_layers} is not divisible by pipeline x virtual pipeline "
+          f"size {pp * vpp}")
+    if a.num_experts:
+        _need(a.num_experts % ep == 0, f"--num-experts {a.num_experts} is not divisible by "
+                                       f"--expert-model-parallel-size {ep}")
+        _need(a.moe_router_topk <= a.num_experts,
+              f"--moe-router-topk {a.moe_router_topk} > --num-experts {a.num_experts}")
+        _need(tp == 1 or a.sequence_parallel,
+              "MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
+    else:
+        _need(ep == 1, "--expert-model-parallel-size > 1 needs --num-experts")
+    if a.sequence_parallel and tp == 1:
+        a.sequence_parallel = False
+    a.global_batch_size = a.global_batch_size or a.micro_batch_size * dp
+    _need(a.global_batch_size % (a.micro_batch_size * dp) == 0,
+          f"--global-batch-size {a.global_batch_size} is not divisible by --micro-batch-size "
+          f"{a.micro_batch_size} x data-parallel size {dp}")
+    a.data_parallel_size = dp
+    a.num_microbatches = a.global_batch_size // (a.micro_batch_size * dp)
+    if pp > 1 and a.virtual_pipeline_model_parallel_size:
+        _need(a.num_microbatches % pp == 0, "the interleaved pipeline schedule needs the "
+                                            "number of micro-batches divisible by --pipeline-"
+                                            "model-parallel-size")
+    if a.optimizer == "muon":
+        _need(not a.use_distributed_optimizer,
+              "--optimizer muon does not work with --use-distributed-optimizer in "
+              "megatron-core 0.16.1")
+    a.lr_warmup_iters = a.lr_warmup_iters if a.lr_warmup_iters is not None else \
+        max(1, a.train_iters // 10)
+    a.lr_decay_iters = a.lr_decay_iters or a.train_iters
+    if a.lr_decay_style == "WSD":
+        a.lr_wsd_decay_iters = a.lr_wsd_decay_iters or max(1, a.lr_decay_iters // 5)
+    _need(a.lr_warmup_iters < a.lr_decay_iters or a.lr_decay_style == "constant",
+          f"--lr-warmup-iters {a.lr_warmup_iters} must be < --lr-decay-iters {a.lr_decay_iters}")
+    if a.load is not None:
+        _need(os.path.isdir(a.load), f"--load {a.load!r}: no such directory")
+    if a.save_interval is not None:
+        _need(a.save is not None, "--save-interval needs --save")
+    if a.data_path and a.mock_data:
+        raise ArgumentError("--data-path and --mock-data exclude each other")
+    a.run_dir = a.run_dir or a.save or os.path.join("runs", a.spec)
+    return a

@@ -1,0 +1,245 @@
+"""Save and resume with megatron-core ``dist_checkpointing`` (torch_dist format).
+
+Layout of ``--save DIR``::
+
+    DIR/iter_0000100/      one complete checkpoint (model, optimizer, scheduler, RNG, data
+                           position, the strategy string)
+    DIR/latest             the iteration of the last complete checkpoint (written atomically)
+
+A save writes ``DIR/.tmp_iter_XXXXXXX`` and renames it only when every rank has finished, then
+replaces ``latest``: a save interrupted at any point leaves the previous checkpoint and its
+``latest`` pointer intact. The distributed optimizer is saved ``fully_reshardable`` (the default
+format fails with torch AdamW in 0.16.1), so a run can resume at another TP/PP/DP layout.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+CHECKPOINT_VERSION = 1
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or made for another model."""
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_latest(root: str):
+    """The iteration ``latest`` points to, or None when ``root`` holds no checkpoint yet."""
+    path = os.path.join(root, "latest")
+    if not os.path.exists(path):
+        if any(n.startswith("iter_") for n in os.listdir(root)):
+            raise CheckpointError(f"{root}: checkpoint folders but no 'latest' file: an "
+                                  f"incomplete or foreign checkpoint directory")
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: corrupt 'latest' pointer {text!r}")
+    return int(text)
+
+
+def _layout() -> dict:
+    ps = parallel_state
+    return dict(tp=ps.get_tensor_model_parallel_world_size(),
+                pp=ps.get_pipeline_model_parallel_world_size(),
+                dp=ps.get_data_parallel_world_size(),
+                ep=ps.get_expert_model_parallel_world_size())
+
+
+def _rng_object() -> ShardedObject:
+    state = dict(random=random.getstate(), numpy=np.random.get_state(),
+                 torch=torch.get_rng_state(),
+                 tracker=tensor_parallel.get_cuda_rng_tracker().get_states())
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    ps = parallel_state
+    return ShardedObject("rng_state", state,
+                         (ps.get_pipeline_model_parallel_world_size(),
+                          ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(),
+                          ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _set_rng(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_sd(model) -> dict:
+    if len(model) == 1:
+        return {"model": model[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+
+
+def _merged_model_sd(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("model"):
+            out.update(v)
+    return out
+
+
+def _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, is_loading,
+                with_rng=True, with_optim=True):
+    sd = _model_sd(model)
+    if with_optim and optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(_merged_model_sd(sd), is_loading=is_loading,
+                                                       metadata=OPTIM_METADATA)
+        sd["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        sd["rng_state"] = _rng_object()
+    sd.update(iteration=iteration, consumed_samples=consumed, scalevec=strategy,
+              checkpoint_version=CHECKPOINT_VERSION, layout=_layout(), model_meta=meta)
+    return sd
+
+
+def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, strategy, meta):
+    """Write ``root/iter_N`` through a temporary folder, then publish ``latest``."""
+    final, tmp = iter_dir(root, iteration), os.path.join(root, f".tmp_iter_{iteration:07d}")
+    if _rank0():
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    sd = _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, False)
+    dist_checkpointing.save(sd, tmp, validate_access_integrity=True)
+    dist.barrier()
+    if _rank0():
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = os.path.join(root, ".latest.tmp")
+        with open(pointer, "w") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, os.path.join(root, "latest"))
+    dist.barrier()
+
+
+def load_checkpoint(root, model, optimizer, scheduler, strategy, meta, load_optim=True):
+    """Load ``latest`` from ``root`` into model/optimizer/scheduler and the RNGs.
+
+    Returns (iteration, consumed_samples), or None when ``root`` holds no checkpoint yet.
+    """
+    iteration = read_latest(root)
+    if iteration is None:
+        return None
+    path = iter_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{root}/latest points to iteration {iteration} but {path} is "
+                              f"missing")
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as e:  # noqa: BLE001 -- any failure here means an unreadable checkpoint
+        raise CheckpointError(f"{path}: not a readable dist_checkpointing checkpoint "
+                              f"(corrupt or incomplete): {type(e).__name__}: {e}") from e
+    if common.get("checkpoint_version") != CHECKPOINT_VERSION or "scalevec" not in common:
+        raise CheckpointError(f"{path}: not written by megatron_scalevec's trainer")
+    if common["scalevec"] != strategy:
+        raise CheckpointError(
+            f"{path} was trained with scale-vector strategy {common['scalevec']!r}, this run "
+            f"asks for {strategy!r}: the parameters differ; convert the checkpoint or pass "
+            f"--scalevec {common['scalevec']}")
+    for key, value in meta.items():
+        if common["model_meta"].get(key) != value:
+            raise CheckpointError(f"{path}: model {key}={common['model_meta'].get(key)!r} in the "
+                                  f"checkpoint, {value!r} in this run")
+    same_layout = common.get("layout") == _layout()
+    with_optim = load_optim and optimizer is not None
+    if with_optim:
+        prepare_optimizer_for_load(optimizer)
+    sd = _state_dict(model, optimizer, scheduler, iteration, 0, strategy, meta, True,
+                     with_rng=same_layout, with_optim=with_optim)
+    try:
+        loaded = dist_checkpointing.load(sd, path)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: loading failed (corrupt, incomplete, or a different "
+                              f"model): {type(e).__name__}: {e}") from e
+    if len(model) == 1:
+        model[0].load_state_dict(loaded["model"])
+    else:
+        for i, m in enumerate(model):
+            m.load_state_dict(loaded[f"model{i}"])
+    if with_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        finish_optimizer_load(optimizer)
+    if same_layout:
+        _set_rng(loaded["rng_state"])
+    return loaded["iteration"], loaded["consumed_samples"]
+
+
+# --- torch AdamW under megatron-core 0.16.1's distributed optimizer (CPU_NOTES.md) ---------
+def _dist_opts(optimizer):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in opts if isinstance(o, DistributedOptimizer)]
+
+
+def prepare_optimizer_for_load(optimizer) -> None:
+    """Work around the distributed optimizer's torch-AdamW fallback before a load:
+
+    * a fresh optimizer has no state, so ``state_dict()`` fails ``assert len(steps) == 1``:
+      give it states first (``_init_optimizer_states_with_dummy_values``; the dummy values
+      are overwritten by the load);
+    * ``_set_main_param_and_optimizer_states`` copies every state key, ``step`` included,
+      which the checkpoint's per-param tensors do not carry, into views of leaf params outside
+      ``no_grad``: copy only the keys present, under ``no_grad``.
+    """
+    for opt in _dist_opts(optimizer):
+        if len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+        if getattr(opt, "_scalevec_patched", False):
+            continue
+        orig = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, _opt=opt, _orig=orig):
+            if _opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                return _orig(model_param, tensors)
+            gi, order = _opt.model_param_group_index_map[model_param]
+            main = _opt.optimizer.param_groups[gi]["params"][order]
+            dst = {"param": main, **_opt.optimizer.state[main]}
+            with torch.no_grad():
+                for key, value in tensors.items():
+                    if key in dst and key != "step":
+                        dst[key].copy_(value)
+            return None
+
+        opt._set_main_param_and_optimizer_states = set_states
+        opt._scalevec_patched = True
+
+
+def finish_optimizer_load(optimizer) -> None:
+    """After a load every AdamW state shares one ``step`` tensor, which the fallback path
+    increments once per parameter per step: give each parameter its own copy."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in opts:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].detach().clone()

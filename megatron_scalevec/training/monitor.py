@@ -1,0 +1,150 @@
+"""Training logs: console line, ``metrics.jsonl`` in the run dir, TensorBoard when installed,
+and scale-vector statistics (vector norms, OR magnitude beta, the conservation quantity).
+
+Conservation (SPEC.md): with gamma = 1 and small W at init, ``gamma_j^2 - ||w_j||^2`` stays
+constant along gradient flow, ``w_j`` being column j of the matrix the vector feeds. We log its
+mean over columns j for every input-side vector that feeds a known matrix: the per-branch HG
+vectors (``scale_in.q`` -> the q rows of ``linear_qkv``) and shared Pre-Norm vectors (->
+the whole ``linear_qkv`` / ``linear_fc1``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_scalevec import sharding
+from megatron_scalevec.vectors import ScaleVector
+
+
+def _unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def _col_sq_norm(linear, branch=None) -> torch.Tensor:
+    """||w_j||^2 per input column j of a column-parallel linear (all its rows, or one branch's
+    rows of a fused one), summed over the tensor-parallel ranks."""
+    w = linear.weight.detach().float()
+    if branch is not None:
+        w = w.view(linear.groups, len(linear.slots), linear.rows, w.shape[1])
+        idx = [i for i, s in enumerate(linear.slots) if s == branch]
+        w = w[:, idx]
+    sq = w.pow(2).reshape(-1, w.shape[-1]).sum(0)
+    group = getattr(linear, "tp_group", None) or sharding.tp_group(False)
+    return sharding.all_reduce_sum(sq, group) if sharding.group_size(group) > 1 else sq
+
+
+@torch.no_grad()
+def scale_vector_stats(model) -> dict:
+    """{"sv/<path>/norm", "sv/<path>/beta", "sv/<path>/conservation"} for this rank's vectors
+    (pipeline stage and expert shard; split vectors are reduced over their group)."""
+    stats = {}
+    for chunk_idx, chunk in enumerate(model):
+        root = _unwrap(chunk)
+        feeds = {}
+        for name, mod in root.named_modules():
+            if hasattr(mod, "scale_in") and hasattr(mod, "slots"):
+                for b, vec in mod.scale_in.items():
+                    feeds[id(vec)] = (mod, b)
+            attn = getattr(mod, "self_attention", None)
+            norm = getattr(mod, "input_layernorm", None)
+            if attn is not None and isinstance(norm, ScaleVector):
+                feeds[id(norm)] = (attn.linear_qkv, None)
+            mlp, norm2 = getattr(mod, "mlp", None), getattr(mod, "pre_mlp_layernorm", None)
+            if isinstance(norm2, ScaleVector) and hasattr(getattr(mlp, "linear_fc1", None),
+                                                          "weight"):
+                feeds[id(norm2)] = (mlp.linear_fc1, None)
+        for name, vec in root.named_modules():
+            if not isinstance(vec, ScaleVector) or not vec.enabled:
+                continue
+            key = f"sv/{name}" if len(model) == 1 else f"sv/chunk{chunk_idx}/{name}"
+            gamma = ScaleVector.forward(vec).detach().float()  # norms override forward(x)
+            sq = sharding.all_reduce_sum(gamma.pow(2).sum(), vec.split_group)
+            stats[f"{key}/norm"] = math.sqrt(float(sq))
+            if vec.parameterization == "or":
+                stats[f"{key}/beta"] = float(vec.magnitude)
+            if id(vec) in feeds and vec.split_group is None:
+                linear, branch = feeds[id(vec)]
+                try:
+                    wsq = _col_sq_norm(linear, branch)
+                except (RuntimeError, AttributeError):
+                    continue
+                if wsq.shape == gamma.shape:
+                    stats[f"{key}/conservation"] = float((gamma.pow(2) - wsq).mean())
+    return stats
+
+
+class MetricsLog:
+    """Writes one JSON object per record to ``run_dir/metrics.jsonl`` (rank 0 only) and, when
+    ``tensorboard`` is importable and a dir is given, the same scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str, tensorboard_dir=None, quiet=False, append=False):
+        self.enabled = dist.get_rank() == 0
+        self.quiet = quiet
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb = None
+        if not self.enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.file = open(self.path, "a" if append else "w")
+        if tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+
+                self.tb = SummaryWriter(log_dir=tensorboard_dir)
+            except ImportError:
+                self.print("tensorboard is not installed: --tensorboard-dir ignored "
+                           "(metrics.jsonl has the same scalars)")
+
+    def print(self, text: str) -> None:
+        if self.enabled and not self.quiet:
+            print(text, flush=True)
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            step = record.get("iteration", 0)
+            for k, v in record.items():
+                if k != "iteration" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+class Throughput:
+    """tokens/s and ETA from wall time between log intervals."""
+
+    def __init__(self, tokens_per_iter: int, total_iters: int, start_iter: int):
+        self.tokens_per_iter, self.total = tokens_per_iter, total_iters
+        self.t0, self.i0 = time.time(), start_iter
+
+    def update(self, iteration: int) -> dict:
+        now = time.time()
+        dt, di = now - self.t0, iteration - self.i0
+        self.t0, self.i0 = now, iteration
+        per_iter = dt / max(di, 1)
+        return {"tokens_per_s": self.tokens_per_iter * di / max(dt, 1e-9),
+                "s_per_iter": per_iter, "eta_s": per_iter * (self.total - iteration)}
+
+
+def format_line(rec: dict) -> str:
+    parts = [f"iter {rec['iteration']:>6}/{rec['train_iters']}", f"loss {rec['loss']:.4f}"]
+    if "val_loss" in rec:
+        parts.append(f"val {rec['val_loss']:.4f}")
+    parts += [f"lr {rec['lr']:.3e}", f"gnorm {rec['grad_norm']:.3f}",
+              f"{rec['tokens_per_s']:.0f} tok/s", f"eta {rec['eta_s'] / 60:.1f} min"]
+    return " | ".join(parts)

@@ -1,0 +1,129 @@
+"""Invariants 1 and 2: parity with megatron-core's own layers, identity at initialization."""
+
+import pytest
+import torch
+
+from megatron_scalevec import ScaleVecConfig
+from megatron_scalevec.testing import init_model_parallel, run_on_ranks
+from megatron_scalevec.testing import models as M
+
+
+def _loss_and_grads(model, data):
+    model.zero_grad()
+    loss = torch.stack([model(b["tokens"], b["position_ids"], None, labels=b["labels"]).mean()
+                        for b in data]).mean()
+    loss.backward()
+    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _stock_weights(model):
+    return {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+
+
+def _compare_to_stock(rank, world, strategy, config_kw):
+    init_model_parallel()
+    config = M.tiny_config(**config_kw)
+    stock = M.build_gpt(config, None)
+    ours = M.build_gpt(config, strategy)
+    missing, unexpected = ours.load_state_dict(_stock_weights(stock), strict=False)
+    missing = [k for k in missing if "_extra_state" not in k]
+    data = M.batches(2, 2)
+    loss_s, grads_s = _loss_and_grads(stock, data)
+    loss_o, grads_o = _loss_and_grads(ours, data)
+    shared = set(grads_s) & set(grads_o)
+    return dict(loss=(loss_s, loss_o), missing=missing, unexpected=unexpected,
+                n_shared=len(shared),
+                grad_err=max(float((grads_s[k] - grads_o[k]).abs().max()) for k in shared))
+
+
+def test_shared_equals_megatron_core_local_spec():
+    res = run_on_ranks(_compare_to_stock, 1, "shared", {})[0]
+    assert res["missing"] == [] and res["unexpected"] == []  # same names, key for key
+    assert res["loss"][0] == res["loss"][1]
+    assert res["grad_err"] == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["hg", "hg+dp", "shared+or", "shared+er", "hg+or",
+                                      "hg+dp+er", "shared+dp", "shared+iwd"])
+def test_variant_at_init_equals_shared(strategy):
+    res = run_on_ranks(_compare_to_stock, 1, strategy, {})[0]
+    assert res["n_shared"] >= 5
+    assert abs(res["loss"][0] - res["loss"][1]) < 1e-6, res["loss"]
+    assert res["grad_err"] < 1e-5
+    if strategy.startswith("hg"):
+        assert any("scale_in" in k for k in res["missing"])
+
+
+def test_qk_layernorm_flag_equals_stock_qk_layernorm():
+    """config.qk_layernorm with our spec: the Output-Norm q/k norms, same as stock's."""
+    res = run_on_ranks(_compare_to_stock, 1, "shared", {"qk_layernorm": True})[0]
+    renamed = {k.replace("q_layernorm", "q_norm").replace("k_layernorm", "k_norm")
+               for k in res["unexpected"]}
+    assert renamed == set(res["missing"]) and len(renamed) == 4
+    assert res["loss"][0] == pytest.approx(res["loss"][1], abs=1e-6)
+
+
+def _dnp_qk_vs_stock(rank, world):
+    init_model_parallel()
+    stock = M.build_gpt(M.tiny_config(qk_layernorm=True), None).decoder.layers[0].self_attention
+    ours = M.build_gpt(M.tiny_config(), "hg+dnp").decoder.layers[0].self_attention
+    with torch.no_grad():
+        ours.linear_qkv.weight.copy_(stock.linear_qkv.weight)
+        for b in ("q", "k"):
+            gamma = torch.linspace(0.5, 1.5, stock.hidden_size_per_attention_head)
+            getattr(stock, f"{b}_layernorm").weight.copy_(gamma)
+            getattr(ours, f"{b}_norm").weight.copy_(gamma)
+    x = torch.randn(M.SEQ, 2, 32)
+    qs, ks, vs = stock.get_query_key_value_tensors(x)
+    qo, ko, vo = ours.get_query_key_value_tensors(x)
+    return [float((qs - qo).abs().max()), float((ks - ko).abs().max()),
+            float((vs - vo).abs().max())]
+
+
+def test_dnp_on_q_and_k_is_stock_qk_layernorm():
+    dq, dk, dv = run_on_ranks(_dnp_qk_vs_stock, 1)[0]
+    assert dq < 1e-6 and dk < 1e-6
+    assert dv > 1e-3  # V gets DNP's extra norm, which stock has no equivalent for
+
+
+def _modes(rank, world, tp, sp):
+    init_model_parallel(tp=tp)
+    config = M.tiny_config(sequence_parallel=sp)
+    out = {}
+    for mode in ("weight", "activation"):
+        cfg = ScaleVecConfig.from_string("hg+dp+or", apply_mode=mode)
+        model = M.build_gpt(config, cfg)
+        M.perturb_vectors(model)
+        loss, grads = _loss_and_grads(model, M.batches(2, 2))
+        out[mode] = (loss, grads)
+    (lw, gw), (la, ga) = out["weight"], out["activation"]
+    return lw, la, max(float((gw[k] - ga[k]).abs().max()) for k in gw)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True), (2, False)])
+def test_weight_and_activation_modes_agree(tp, sp):
+    for lw, la, gerr in run_on_ranks(_modes, tp, tp, sp):
+        assert lw == pytest.approx(la, abs=1e-5)
+        assert gerr < 1e-5
+
+
+def _build_error(rank, world, strategy, tp, config_kw):
+    init_model_parallel(tp=tp)
+    try:
+        M.build_gpt(M.tiny_config(**config_kw), strategy)
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("strategy,tp,config_kw,words", [
+    ("hg+dnp", 2, dict(num_query_groups=1), ["num_query_groups", "tensor_model_parallel_size"]),
+    ("hg+dnp", 2, dict(ffn_hidden_size=65), ["ffn_hidden_size", "65"]),
+    ("hg+dp", 1, dict(add_bias_linear=True), ["bias"]),
+    ("shared", 1, dict(normalization="L2Norm"), ["RMSNorm or LayerNorm"]),
+])
+def test_bad_configurations_fail_clearly(strategy, tp, config_kw, words):
+    msgs = run_on_ranks(_build_error, tp, strategy, tp, config_kw)
+    assert msgs[0] is not None, "expected a clear error"
+    for w in words:
+        assert w in msgs[0], msgs[0]
