@@ -82,7 +82,7 @@ class ScaleVecConfig:
             raise ValueError("ScaleVecConfig.scale_vector_weight_decay must be >= 0")
 
     @classmethod
-    def from_string(cls, text: str, **overrides) -> "ScaleVecConfig":
+    def from_string(cls, text: str, **overrides) -> ScaleVecConfig:
         """Parse ``"unified"``, ``"shared"``, ``"none"``, ``"hg+dnp+or+iwd"``, ``"hg+dp+er"``."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError("ScaleVecConfig.from_string: empty strategy string")
@@ -127,7 +127,7 @@ class ScaleVecConfig:
             parts.append("iwd")
         return "+".join(parts)
 
-    def replace(self, **changes) -> "ScaleVecConfig":
+    def replace(self, **changes) -> ScaleVecConfig:
         return dataclasses.replace(self, **changes)
 
     @property

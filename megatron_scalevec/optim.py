@@ -52,6 +52,7 @@ from megatron_scalevec.vectors import DECAYED_PARTS
 logger = logging.getLogger(__name__)
 
 NO_DECAY: ParamGroupOverride = {"wd_mult": 0.0}
+VECTOR_WD_MULT = 2.0
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,14 @@ def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> List[DecayRule
         decayed = set(DECAYED_PARTS)
         if scalevec.decay_direction:
             decayed |= {"direction", "logit"}
-        vec_override: ParamGroupOverride = {"wd_mult": 1.0}
-        if scalevec.scale_vector_weight_decay is not None:
-            svwd = float(scalevec.scale_vector_weight_decay)
-            vec_override = {"wd_mult": 1.0, "start_wd": svwd, "end_wd": svwd}
+        # megatron-core 0.16.1 re-matches param groups at checkpoint load by (wd_mult, lr_mult,
+        # is_expert_parallel, is_decoupled_lr) only, so this group needs a wd_mult of its own:
+        # 2.0 x (svwd / 2), exact in binary floating point, is svwd.
+        svwd = scalevec.scale_vector_weight_decay
+        svwd = float(weight_decay if svwd is None else svwd)
+        vec_override: ParamGroupOverride = {"wd_mult": VECTOR_WD_MULT,
+                                            "start_wd": svwd / VECTOR_WD_MULT,
+                                            "end_wd": svwd / VECTOR_WD_MULT}
         rules += [
             DecayRule("input_vectors",
                       lambda p, n: _role(p) == "input" and _part(p) in decayed,

@@ -38,7 +38,11 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import ScaleVecColumnParallelLinear, ScaleVecMLP, ScaleVecSelfAttention
+from megatron_scalevec.layers import (
+    ScaleVecColumnParallelLinear,
+    ScaleVecMLP,
+    ScaleVecSelfAttention,
+)
 from megatron_scalevec.norms import ScaleVecNorm
 
 StrategyLike = Union[str, ScaleVecConfig]
@@ -65,40 +69,59 @@ def norm_spec(scalevec: StrategyLike, kind: str = "pre") -> ModuleSpec:
     return ModuleSpec(module=ScaleVecNorm, params={"scalevec": as_config(scalevec), "kind": kind})
 
 
-def mlp_spec(scalevec: StrategyLike) -> ModuleSpec:
+def linear_modules(transformer_impl: str = "local") -> dict:
+    """The swappable linear parts: megatron-core's local ones, or Transformer Engine's (FP8)."""
+    if transformer_impl == "local":
+        return {"column": ScaleVecColumnParallelLinear, "row": RowParallelLinear,
+                "attention": DotProductAttention}
+    if transformer_impl == "transformer_engine":
+        from megatron_scalevec.layers.te import te_modules  # noqa: PLC0415
+
+        return te_modules()
+    raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', "
+                     f"got {transformer_impl!r}")
+
+
+def mlp_spec(scalevec: StrategyLike, transformer_impl: str = "local") -> ModuleSpec:
     cfg = as_config(scalevec)
-    fc1 = ModuleSpec(module=ScaleVecColumnParallelLinear,
-                     params={"scalevec": cfg, "branches": "fc1"})
+    parts = linear_modules(transformer_impl)
+    fc1 = ModuleSpec(module=parts["column"], params={"scalevec": cfg, "branches": "fc1"})
     return ModuleSpec(module=ScaleVecMLP, params={"scalevec": cfg},
-                      submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=RowParallelLinear))
+                      submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["row"]))
 
 
-def attention_spec(scalevec: StrategyLike) -> ModuleSpec:
+def attention_spec(scalevec: StrategyLike, transformer_impl: str = "local") -> ModuleSpec:
     cfg = as_config(scalevec)
+    parts = linear_modules(transformer_impl)
     # SelfAttention calls its linear_qkv builder directly (no build_module): a partial.
-    qkv = functools.partial(ScaleVecColumnParallelLinear, scalevec=cfg, branches="qkv")
+    qkv = functools.partial(parts["column"], scalevec=cfg, branches="qkv")
     return ModuleSpec(
         module=ScaleVecSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal, "scalevec": cfg},
-        submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=DotProductAttention,
-                                           linear_proj=RowParallelLinear))
+        submodules=SelfAttentionSubmodules(linear_qkv=qkv, core_attention=parts["attention"],
+                                           linear_proj=parts["row"]))
 
 
 def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
-                            num_experts: Optional[int] = None, **moe_options) -> ModuleSpec:
-    """A GPT layer with the strategy applied; MoE when ``num_experts`` is given."""
+                            num_experts: Optional[int] = None,
+                            transformer_impl: str = "local", **moe_options) -> ModuleSpec:
+    """A GPT layer with the strategy applied; MoE when ``num_experts`` is given.
+
+    ``transformer_impl='transformer_engine'`` swaps in TE's linears and attention (FP8
+    capable); the vectors then act on activations. Norms are always ours.
+    """
     cfg = as_config(scalevec)
     if num_experts:
         from megatron_scalevec.moe import moe_spec  # noqa: PLC0415 (MoE is optional here)
 
         mlp = moe_spec(cfg, num_experts=num_experts, **moe_options)
     else:
-        mlp = mlp_spec(cfg)
+        mlp = mlp_spec(cfg, transformer_impl)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm_spec(cfg, "pre"),
-            self_attention=attention_spec(cfg),
+            self_attention=attention_spec(cfg, transformer_impl),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm_spec(cfg, "pre"),
             mlp=mlp,

@@ -6,22 +6,49 @@ imported by it with ``torch.compile`` kept eager) or after (already-compiled jit
 unwrapped back to eager). The device mode is thread-local in torch: call it again in a new
 thread that runs megatron code.
 
-| # | what breaks on CPU | why | what we do |
-|---|---|---|---|
-| 1 | ``device="cuda"``, ``.cuda()``, ``.to("cuda")``, ``device=current_device()`` | literal CUDA devices all over megatron | a ``TorchFunctionMode`` entered once and kept active maps cuda/int devices to cpu, ``.cuda()`` to identity, drops ``pin_memory`` |
-| 2 | ``assert p.grad.type() == 'torch.cuda.FloatTensor'`` | clip_grads, Float16Module, optimizer check type strings | under the mode ``Tensor.type()`` reports ``torch.cuda.*``; ``.type('torch.cuda.X')`` casts to the CPU type |
-| 3 | ``torch.cuda.current_device/synchronize/set_device/device_count`` | CUDA assertion in p2p comm, dist-ckpt, global buffers | ``current_device() -> "cpu"``, ``device_count() -> 1``, the others no-ops |
-| 4 | CUDA RNG tracker ``fork()`` | ``_get/_set_cuda_rng_state`` and ``torch.cuda.get/set_rng_state`` need CUDA | they read/write the CPU default generator; the tracker's "CPU RNG changed" warning is filtered (the two RNGs are one on CPU) |
-| 5 | TRAP: ``torch.cuda.manual_seed`` as a no-op | every TP rank would get the same "model-parallel" RNG state | it seeds the CPU default generator |
-| 6 | ``moe_utils.te_general_gemm`` | ``NameError`` when TE is absent (0.16.1 bug) | define it as ``None`` |
-| 7 | ``torch.cuda.Stream/Event/current_stream/stream`` | alltoall dispatcher, shared experts use side streams | no-op stream/event objects, ``stream()`` a null context |
-| 8 | alltoall dispatcher split sizes | ``maybe_move_tensor_to_cpu`` only converts CUDA tensors, so splits stay tensors (``all_to_all_single`` TypeError) | CPU tensors asked for ``as_numpy`` become numpy arrays, as on GPU |
-| 9 | uneven ``dist.all_gather`` on gloo (alltoall with expert-TP > 1) | ``ProcessGroupGloo::allgather: invalid tensor size`` | padded ``all_gather_into_tensor`` + slicing (list ``reduce_scatter`` works on gloo) |
-| 10 | ``dist_checkpointing`` sync save | results queue from a spawn-context ``Manager`` (5-8 s, re-imports ``__main__``, hangs without a main guard) | during a sync ``save`` the results queue is a plain ``queue.Queue()`` |
-| 11 | ``megatron.core.jit`` sets ``jit_fuser = torch.compile`` | import 5 s instead of 2 s; inductor compiles fused functions on CPU | ``torch.compile`` eager while megatron is imported; ``disable_jit_fuser()``; unwrap compiled functions |
+==  ============================  ==============================  ================================
+#   what breaks on CPU            why                             what we do
+==  ============================  ==============================  ================================
+1   device='cuda', .cuda(),       literal CUDA devices all over   a TorchFunctionMode, entered
+    .to('cuda'),                  megatron (masks, buffers, grad  once and kept on, maps cuda/int
+    device=current_device()       scaler, schedules)              devices to cpu, .cuda() to
+                                                                  identity, drops pin_memory
+                                                                  (about 1.5 us per torch call,
+                                                                  ~3% of a tiny step)
+2   assert p.grad.type() ==       clip_grads, Float16Module,      under the mode Tensor.type()
+    'torch.cuda.FloatTensor'      optimizer compare type strings  reports torch.cuda.*;
+                                                                  .type('torch.cuda.X') casts to
+                                                                  the CPU type
+3   torch.cuda.current_device,    CUDA assertion (p2p comm,       current_device() -> 'cpu',
+    synchronize, set_device,      dist-ckpt, global buffers)      device_count() -> 1, the others
+    device_count                                                  no-ops
+4   CUDA RNG tracker              _get/_set_cuda_rng_state,       use the CPU default generator;
+    fork()/add()                  torch.cuda.get/set_rng_state    drop the tracker's 'CPU RNG
+                                  need CUDA                       state changed' warning (one RNG
+                                                                  on CPU)
+5   TRAP: torch.cuda.manual_seed  every TP rank would get the     it seeds the CPU default
+    as a no-op                    same model-parallel RNG state   generator
+6   moe_utils.te_general_gemm     NameError without TE (0.16.1    define it as None
+                                  bug)
+7   torch.cuda.Stream, Event,     alltoall dispatcher and shared  no-op stream/event objects;
+    current_stream, stream()      experts use side streams        stream() is a null context
+8   alltoall split sizes          maybe_move_tensor_to_cpu        CPU tensors asked for as_numpy
+                                  converts only CUDA tensors:     become numpy arrays, as on GPU
+                                  splits stay tensors,
+                                  all_to_all_single TypeError
+9   uneven dist.all_gather on     ProcessGroupGloo::allgather:    padded all_gather_into_tensor
+    gloo (alltoall with EP and    invalid tensor size             and slices (uneven list
+    expert-TP > 1)                                                reduce_scatter works on gloo)
+10  dist_checkpointing sync save  results queue from a spawn      a plain queue.Queue() while a
+                                  Manager: 5-8 s, re-imports      sync save() runs
+                                  __main__, hangs without a main
+                                  guard
+11  megatron.core.jit: jit_fuser  import 5 s instead of 2 s;      torch.compile eager while we
+    = torch.compile at import     inductor compiles fused         import megatron,
+                                  functions on CPU                disable_jit_fuser(), unwrap
+                                                                  compiled functions
+==  ============================  ==============================  ================================
 """
-
-from __future__ import annotations
 
 import contextlib
 import functools
@@ -79,12 +106,12 @@ def _tensor_to(func, args, kwargs):
 
 
 def _tensor_type(func, args, kwargs):
-    self, rest = args[0], args[1:]
-    dtype = rest[0] if rest else kwargs.pop("dtype", None)
+    kwargs = dict(kwargs)
+    dtype = args[1] if len(args) > 1 else kwargs.pop("dtype", None)
     if dtype is None:
-        name = func(self)
-        return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
-    return func(self, _cpu_type(dtype), **kwargs)
+        name = func(args[0])
+        return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+    return func(args[0], _cpu_type(dtype), **kwargs)
 
 
 _SPECIAL = {
@@ -103,7 +130,7 @@ class _Stream:
     def __init__(self, *args, **kwargs):
         pass
 
-    def wait_stream(self, *args):
+    def wait_stream(self, *args, **kwargs):
         pass
 
     wait_event = record = wait = synchronize = wait_stream
@@ -133,11 +160,6 @@ def _set_cpu_rng_state(new_state, *args, **kwargs):
 
 def _seed_cpu(seed):
     torch.default_generator.manual_seed(int(seed))
-
-
-class _DropRngWarning(logging.Filter):
-    def filter(self, record):
-        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
 def _patch_torch_cuda():
@@ -184,18 +206,15 @@ def _eager_torch_compile():
         torch.compile = saved
 
 
-def _unwrap_compiled(obj):
-    return getattr(obj, "_torchdynamo_orig_callable", None)
-
-
 def _unwrap_compiled_in_megatron():
     """Replace already torch.compile'd functions (module and class level) by the originals."""
     for name, mod in list(sys.modules.items()):
         if not name.startswith("megatron.") or mod is None:
             continue
-        for holder in [mod] + [v for v in vars(mod).values() if isinstance(v, type)]:
+        classes = [v for v in vars(mod).values() if isinstance(v, type) and v.__module__ == name]
+        for holder in [mod, *classes]:
             for attr, value in list(vars(holder).items()):
-                orig = _unwrap_compiled(value)
+                orig = getattr(value, "_torchdynamo_orig_callable", None)
                 if orig is not None:
                     setattr(holder, attr, orig)
 
@@ -228,7 +247,9 @@ def _patch_megatron():
     _unwrap_compiled_in_megatron()
     mrandom._get_cuda_rng_state = _cpu_rng_state
     mrandom._set_cuda_rng_state = _set_cpu_rng_state
-    logging.getLogger(mrandom.__name__).addFilter(_DropRngWarning())
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG" not in record.getMessage()
+    )
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None

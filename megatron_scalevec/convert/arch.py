@@ -72,14 +72,14 @@ class ModelArch:
     def is_moe(self) -> bool:
         return bool(self.num_moe_experts)
 
-    def replace(self, **changes) -> "ModelArch":
+    def replace(self, **changes) -> ModelArch:
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelArch":
+    def from_dict(cls, d: dict) -> ModelArch:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -87,7 +87,7 @@ class ModelArch:
         return cls(**d)
 
     @classmethod
-    def load(cls, path: str) -> "ModelArch":
+    def load(cls, path: str) -> ModelArch:
         if os.path.isdir(path):
             path = os.path.join(path, ARCH_FILE)
         with open(path) as f:
@@ -180,12 +180,15 @@ def build_model(arch: ModelArch, scalevec: Optional[str] = None, seed: int = 123
 
 
 def stock_layer_spec(arch: ModelArch):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    """megatron-core's local spec; for MoE its block spec (dense/MoE per ``moe_layer_freq``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
 
     if arch.is_moe:
-        return get_gpt_layer_local_spec(num_experts=arch.num_moe_experts, moe_grouped_gemm=False,
-                                         qk_layernorm=arch.qk_layernorm,
-                                         normalization=arch.normalization)
+        return get_gpt_decoder_block_spec(arch.transformer_config(), use_transformer_engine=False,
+                                          normalization=arch.normalization)
     return get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm,
                                      normalization=arch.normalization)
 

@@ -16,19 +16,17 @@ DNP's norms on V, gate and up have no stock equivalent: refused, naming the bran
 
 from __future__ import annotations
 
-from typing import Dict
-
 import torch
 
 from megatron_scalevec.convert.arch import ModelArch, build_model
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes
-from megatron_scalevec.convert.warmstart import FunctionChangeError, _stock_shapes
+from megatron_scalevec.convert.warmstart import FunctionChangeError, _stock_shapes, norm_consumers
 from megatron_scalevec.vectors import ScaleVector
 
 
-def unfoldable_branches(model) -> Dict[str, list]:
+def unfoldable_branches(model) -> dict[str, list]:
     """branch -> layers whose DNP norm (V, gate, up) has no stock equivalent."""
-    found: Dict[str, list] = {}
+    found: dict[str, list] = {}
     for name, module in model.named_modules():
         for b in ("v", "gate", "up"):
             if name.endswith(f".{b}_norm") and module is not None:
@@ -42,12 +40,20 @@ def _gamma_or_ones(module, size: int) -> torch.Tensor:
     return torch.ones(size) if g is None else g.detach().float()
 
 
+def _effective_weight(module) -> torch.Tensor:
+    """The weight a stock layer needs to compute what ``module`` computes."""
+    w = module.weight
+    if getattr(module, "has_scale_vectors", False):
+        w = module.effective_weight(w)  # diag(a) W diag(gamma) per branch
+    elif isinstance(getattr(module, "scale_in", None), ScaleVector):  # router: W_r diag(gamma_r)
+        w = w.float() * module.scale_in()
+    return w.detach().float().clone()
+
+
 @torch.no_grad()
 def fold_to_stock(model, arch: ModelArch):
     """(stock full state dict, stock arch) computing the same function as ``model``
     (a scale-vector GPTModel at TP=PP=1, any variant without DNP)."""
-    if arch.is_moe:
-        raise NotImplementedError("folding MoE checkpoints is not implemented yet")
     bad = unfoldable_branches(model)
     if bad:
         where = "; ".join(f"{b}: {len(layers)} layer(s), e.g. {layers[0]}"
@@ -65,15 +71,11 @@ def fold_to_stock(model, arch: ModelArch):
     has_qk = False
     for i in range(arch.num_layers):
         p = f"decoder.layers.{i}."
-        for norm, lin in (("input_layernorm", "self_attention.linear_qkv"),
-                          ("pre_mlp_layernorm", "mlp.linear_fc1")):
+        for norm in ("input_layernorm", "pre_mlp_layernorm"):
             out[p + norm + ".weight"] = _gamma_or_ones(modules[p + norm], h)
-            linear = modules[p + lin]
-            w = linear.weight
-            if linear.has_scale_vectors:
-                w = linear.effective_weight(w)  # diag(a) W diag(gamma) per branch
-            out[p + lin + ".weight"] = w.detach().float().clone()
-            consumed.add(p + lin + ".weight")
+            for lin in norm_consumers(modules, p, norm):
+                out[lin + ".weight"] = _effective_weight(modules[lin])
+                consumed.add(lin + ".weight")
         att = modules[p + "self_attention"]
         for ours, stock in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
             norm = getattr(att, ours, None)

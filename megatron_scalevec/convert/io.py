@@ -23,13 +23,14 @@ import pickle
 import shutil
 import sys
 import tempfile
-from typing import Dict, Iterable, Optional
+from collections.abc import Iterable
+from typing import Optional
 
 import torch
 
 from megatron_scalevec.convert.arch import ARCH_FILE, ModelArch
 
-StateDict = Dict[str, torch.Tensor]
+StateDict = dict[str, torch.Tensor]
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -85,7 +86,7 @@ def load_full_into(model, sd: StateDict, what: str = "state dict") -> None:
     model.load_state_dict({**model.state_dict(), **sd}, strict=True)
 
 
-def check_names_and_shapes(sd: StateDict, expected: Dict[str, tuple], what: str) -> None:
+def check_names_and_shapes(sd: StateDict, expected: dict[str, tuple], what: str) -> None:
     """Raise naming every missing, unexpected and mis-shaped tensor (nothing is skipped)."""
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
@@ -169,10 +170,8 @@ def load_full(in_dir: str):
 _SAFE_GLOBAL_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed._shard.",
                          "megatron.core.dist_checkpointing.")
 _SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
-                 ("builtins", "frozenset"), ("builtins", "slice"), ("torch._utils",
-                                                                    "_rebuild_tensor_v2"),
-                 ("torch.storage", "_load_from_bytes"), ("torch", "device"),
-                 ("builtins", "getattr")}
+                 ("builtins", "frozenset"), ("builtins", "slice"),
+                 ("torch.serialization", "_get_layout")}
 
 
 class _DataOnlyUnpickler(pickle.Unpickler):

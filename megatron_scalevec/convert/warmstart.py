@@ -21,8 +21,6 @@ logit difference on a sample batch.
 
 from __future__ import annotations
 
-from typing import Dict, List
-
 import torch
 
 from megatron_scalevec.config import ScaleVecConfig
@@ -31,7 +29,7 @@ from megatron_scalevec.convert.io import StateDict, check_names_and_shapes, load
 
 # Stock names of the QK norms; our attention calls them q_norm / k_norm.
 _QK_STOCK = {"q_norm": "q_layernorm", "k_norm": "k_layernorm"}
-_DNP_ONLY = ("v_norm", "gate_norm", "up_norm")
+_DNP_ONLY = (".v_norm", ".gate_norm", ".up_norm")
 
 
 class FunctionChangeError(ValueError):
@@ -48,7 +46,7 @@ def shared_to_stock_names(sd: StateDict) -> StateDict:
     return out
 
 
-def dnp_branches(target: ScaleVecConfig, arch: ModelArch) -> List[str]:
+def dnp_branches(target: ScaleVecConfig, arch: ModelArch) -> list[str]:
     """Branches whose new normalization changes the function when warm-starting ``target``."""
     if not target.dnp:
         return []
@@ -70,8 +68,6 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                allow_function_change: bool = False, measure: bool = True):
     """Build ``target`` (a strategy string) at TP=PP=1 and fill it from a stock full state
     dict. Returns ``(model, report)``; report: changed branches and max logit difference."""
-    if arch.is_moe:
-        raise NotImplementedError("warm start of MoE checkpoints is not implemented yet")
     cfg = ScaleVecConfig.from_string(target)
     changed = dnp_branches(cfg, arch)
     if changed and not allow_function_change:
@@ -85,7 +81,7 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
 
     model = build_model(arch.replace(scalevec=cfg.to_string()))
     modules = dict(model.named_modules())
-    out: Dict[str, torch.Tensor] = {}  # target name -> tensor (matrices / plain copies)
+    out: dict[str, torch.Tensor] = {}  # target name -> tensor (matrices / plain copies)
     consumed = set()
 
     def take(key):
@@ -95,21 +91,21 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
     with torch.no_grad():
         for i in range(arch.num_layers):
             p = f"decoder.layers.{i}."
-            for norm, lin in (("input_layernorm", "self_attention.linear_qkv"),
-                              ("pre_mlp_layernorm", "mlp.linear_fc1")):
+            for norm in ("input_layernorm", "pre_mlp_layernorm"):
                 key = p + norm + ".weight"
-                gamma, w = take(key), take(p + lin + ".weight")
-                pre, linear = modules[p + norm], modules[p + lin]
+                gamma, pre = take(key), modules[p + norm]
                 if pre.enabled:
                     _set_vector(pre, gamma, p + norm, key)
-                elif len(linear.scale_in):
-                    for b, vec in linear.scale_in.items():
-                        _set_vector(vec, gamma, f"{p}{lin}.scale_in.{b}", key)
-                else:  # 'none': no vector anywhere, gamma goes into the columns
-                    w = w * gamma[None, :]
-                for vec in linear.scale_out.values():
-                    vec.set_from_gamma(torch.ones(vec.size))
-                out[p + lin + ".weight"] = w
+                for lin in norm_consumers(modules, p, norm):
+                    w, vectors = take(lin + ".weight"), input_vectors(modules[lin])
+                    if not pre.enabled and vectors:  # HG: one copy per branch
+                        for b, vec in vectors.items():
+                            _set_vector(vec, gamma, f"{lin}.scale_in{b}", key)
+                    elif not pre.enabled:  # 'none': no vector anywhere, gamma -> columns
+                        w = w * gamma[None, :]
+                    for vec in getattr(modules[lin], "scale_out", {}).values():
+                        vec.set_from_gamma(torch.ones(vec.size))
+                    out[lin + ".weight"] = w
             att = modules[p + "self_attention"]
             for ours, stock in _QK_STOCK.items():
                 key = f"{p}self_attention.{stock}.weight"
@@ -120,10 +116,9 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                     _set_vector(norm, take(key), f"{p}self_attention.{ours}", key)
                 elif norm is not None:
                     norm.set_from_gamma(torch.ones(norm.size))
-            for name in _DNP_ONLY:
-                norm = getattr(att, name, None) or getattr(modules[p + "mlp"], name, None)
-                if norm is not None:
-                    norm.set_from_gamma(torch.ones(norm.size))
+            for name, module in modules.items():  # DNP (dense MLP, experts, shared experts)
+                if name.startswith(p) and name.endswith(_DNP_ONLY) and module is not None:
+                    module.set_from_gamma(torch.ones(module.size))
         final = modules["decoder.final_layernorm"]
         key = "decoder.final_layernorm.weight"
         gamma = take(key)
@@ -156,6 +151,25 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
     return model, report
 
 
+def norm_consumers(modules: dict, layer: str, norm: str) -> list[str]:
+    """Names of the linears reading a Pre-Norm's output: ``linear_qkv``; ``linear_fc1`` of
+    the MLP, or of every expert and shared expert plus the router in an MoE layer."""
+    if norm == "input_layernorm":
+        return [layer + "self_attention.linear_qkv"]
+    return [n for n in modules if n.startswith(layer + "mlp")
+            and (n.endswith("linear_fc1") or n == layer + "mlp.router")]
+
+
+def input_vectors(module) -> dict:
+    """suffix -> input-side ScaleVector of a consumer (linear: per branch; router: one)."""
+    vectors = getattr(module, "scale_in", None)
+    if vectors is None:
+        return {}
+    if isinstance(vectors, torch.nn.ModuleDict):
+        return {f".{b}": v for b, v in vectors.items()}
+    return {"": vectors}
+
+
 def compare_with_stock(model, stock_sd: StateDict, arch: ModelArch) -> float:
     """Max |logits(model) - logits(stock model with stock_sd)| on a sample batch."""
     ref = build_model(arch.replace(scalevec="stock"))
@@ -168,10 +182,10 @@ def _vector_names(model) -> set:
     return {n for n, p in model.named_parameters() if hasattr(p, "scalevec_part")}
 
 
-_SHAPES_CACHE: Dict[str, Dict[str, tuple]] = {}
+_SHAPES_CACHE: dict[str, dict[str, tuple]] = {}
 
 
-def _stock_shapes(arch: ModelArch) -> Dict[str, tuple]:
+def _stock_shapes(arch: ModelArch) -> dict[str, tuple]:
     """Names and shapes of the stock model of ``arch`` (built once per arch)."""
     key = arch.replace(scalevec="stock").to_json()
     if key not in _SHAPES_CACHE:

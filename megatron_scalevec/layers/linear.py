@@ -23,7 +23,7 @@ ways to apply it, chosen by ``ScaleVecConfig.apply_mode``:
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -103,7 +103,7 @@ class ScaleVecLinearMixin:
         per_branch = {name: vec() for name, vec in vectors.items()}
         ref = next(iter(per_branch.values()))
         ones = None
-        rows: List[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
         for name in self.slots:
             g = per_branch.get(name)
             if g is None:

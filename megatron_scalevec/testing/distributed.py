@@ -3,7 +3,11 @@
 Forking skips the interpreter start and the torch/megatron imports (about 1 s per layout instead
 of 9-20 s with ``torchrun``). Each rank runs ``fn(rank, world_size, *args, **kwargs)`` with the
 CPU compatibility layer enabled and one intra-op thread; return values come back to the parent
-through a pipe, ordered by rank. The parent must not hold an initialized default process group.
+through a pipe, ordered by rank.
+
+The parent must never have created a gloo process group itself (not even one it destroyed
+since): gloo keeps process-wide transport state, and forked children then abort or segfault
+when they create their own groups. Run single-process megatron code as ``run_on_ranks(fn, 1)``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from megatron_scalevec.compat.cpu import enable_cpu_compat
 __all__ = ["RankError", "gather_full_tensor", "init_model_parallel", "run_on_ranks"]
 
 _JOIN_GRACE_S = 10.0
+_FORK_HINT = (
+    "; killed by a signal: did the parent process create a gloo process group before forking?"
+    " (see the megatron_scalevec.testing.distributed docstring)"
+)
 
 
 class RankError(RuntimeError):
@@ -53,21 +61,32 @@ def _rank_main(conn, fn, rank, world_size, port, timeout, args, kwargs):
             timeout=datetime.timedelta(seconds=timeout),
         )
         initialized = True
-        result = fn(rank, world_size, *args, **kwargs)
-        dist.barrier()  # nobody tears the group down while a peer still talks to it
-        message = ("ok", result)
+        message = ("ok", fn(rank, world_size, *args, **kwargs), time.time())
     except BaseException:
-        message = ("err", traceback.format_exc())
+        message = ("err", traceback.format_exc(), time.time())
     try:
         conn.send(message)
     except Exception:
-        conn.send(("err", "could not send the result back:\n" + traceback.format_exc()))
+        text = "could not send the result back:\n" + traceback.format_exc()
+        conn.send(("err", text, time.time()))
     conn.close()
     if initialized and message[0] == "ok":
         from megatron.core import parallel_state
 
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _receive(conn, rank, proc):
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(1.0)
+        code = proc.exitcode
+        hint = _FORK_HINT if code is not None and code < 0 else ""
+        # a rank that died silently is the likely root cause: its peers only lost a connection
+        return "err", f"exited (code {code}) without sending a result{hint}", 0.0
 
 
 def _collect(conns, procs, timeout):
@@ -80,18 +99,20 @@ def _collect(conns, procs, timeout):
             raise TimeoutError(
                 f"ranks {sorted(pending.values())} did not finish within {timeout} s"
             )
-        for conn in mp.connection.wait(list(pending), timeout=left):
-            rank = pending.pop(conn)
-            try:
-                status, payload = conn.recv()
-            except EOFError:
-                procs[rank].join(1.0)
-                raise RankError(
-                    rank, f"exited (code {procs[rank].exitcode}) without sending a result"
-                ) from None
-            if status == "err":
-                raise RankError(rank, payload)
-            results[rank] = payload
+        errors = []
+        ready = mp.connection.wait(list(pending), timeout=left)
+        while ready:
+            for conn in ready:
+                rank = pending.pop(conn)
+                status, payload, stamp = _receive(conn, rank, procs[rank])
+                if status == "err":
+                    errors.append((stamp, rank, payload))
+                results[rank] = payload
+            # after a failure, peers fail too (broken connections): report the earliest one
+            ready = mp.connection.wait(list(pending), timeout=0.2) if errors and pending else []
+        if errors:
+            _, rank, payload = min(errors)
+            raise RankError(rank, payload)
     return results
 
 

@@ -86,10 +86,18 @@ def _set_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _gpt(m):
+    """The GPTModel inside DDP / Float16Module: keys without wrapper prefixes, as Megatron-LM
+    writes them."""
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
 def _model_sd(model) -> dict:
     if len(model) == 1:
-        return {"model": model[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+        return {"model": _gpt(model[0]).sharded_state_dict()}
+    return {f"model{i}": _gpt(m).sharded_state_dict() for i, m in enumerate(model)}
 
 
 def _merged_model_sd(sd: dict) -> dict:
@@ -178,10 +186,10 @@ def load_checkpoint(root, model, optimizer, scheduler, strategy, meta, load_opti
         raise CheckpointError(f"{path}: loading failed (corrupt, incomplete, or a different "
                               f"model): {type(e).__name__}: {e}") from e
     if len(model) == 1:
-        model[0].load_state_dict(loaded["model"])
+        _gpt(model[0]).load_state_dict(loaded["model"])
     else:
         for i, m in enumerate(model):
-            m.load_state_dict(loaded[f"model{i}"])
+            _gpt(m).load_state_dict(loaded[f"model{i}"])
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])

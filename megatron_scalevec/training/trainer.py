@@ -175,7 +175,7 @@ def _forward_step(data_iterator, model):
 
 def _loss_func(mask, output):
     loss = (output.float().view(-1) * mask.view(-1)).sum() / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
 
 
 def _mean_loss(losses, device) -> float:
@@ -281,7 +281,9 @@ class Trainer:
         return _mean_loss(losses, self.device), float(grad_norm or 0.0)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self):
+        if self.valid_ds is None:
+            return None
         for m in self.model:
             m.eval()
         it = self._iters(self.valid_ds, 0)
@@ -331,7 +333,7 @@ class Trainer:
                            grad_norm=gnorm, consumed_samples=self.consumed,
                            **speed.update(self.iteration))
                 window = []
-                if evaluate:
+                if evaluate and self.valid_ds is not None:
                     rec["val_loss"] = self.evaluate()
             if rec is not None:
                 rec.update(scale_vector_stats(self.model))

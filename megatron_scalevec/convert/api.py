@@ -1,0 +1,110 @@
+"""The conversions end to end (read any source, convert, write atomically); the CLI's engine.
+
+Sources are detected by their files: our full format (``scalevec_arch.json`` +
+``model.safetensors``), a dist checkpoint (``metadata.json``; saved at any TP/PP/EP, arch from
+its ``scalevec_arch.json`` or ``arch=``), or a Hugging Face directory (``config.json``).
+Targets: ``stock`` (fold), a strategy string (warm start), or ``hf``. Every variant reaches
+every other through stock: fold (exact) then warm start.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from megatron_scalevec.convert import hf as _hf
+from megatron_scalevec.convert.arch import STOCK, ModelArch, build_model
+from megatron_scalevec.convert.fold import fold_state_dict
+from megatron_scalevec.convert.io import (
+    StateDict,
+    full_state_dict,
+    is_dist_checkpoint,
+    is_full_checkpoint,
+    load_dist,
+    load_full,
+    load_full_into,
+    save_dist,
+    save_full,
+)
+from megatron_scalevec.convert.warmstart import warm_start
+
+FORMATS = ("full", "dist")
+
+
+def detect(path: str) -> str:
+    if is_full_checkpoint(path):
+        return "full"
+    if is_dist_checkpoint(path):
+        return "dist"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    raise FileNotFoundError(f"{path}: not a full (model.safetensors + scalevec_arch.json), dist "
+                            f"(metadata.json) or Hugging Face (config.json) checkpoint")
+
+
+def read_checkpoint(path: str, arch: Optional[ModelArch] = None) -> tuple[StateDict, ModelArch]:
+    """(full state dict, arch) of any supported source; HF sources come back as stock."""
+    kind = detect(path)
+    if kind == "hf":
+        return _hf.import_hf(path)
+    if kind == "full":
+        sd, own = load_full(path)
+        return sd, arch or own
+    model = load_dist(path, arch)
+    return full_state_dict(model), arch or ModelArch.load(path)
+
+
+def write_checkpoint(sd: StateDict, arch: ModelArch, path: str, fmt: str = "full",
+                     overwrite: bool = False) -> None:
+    """Write ours: ``full`` (safetensors) or ``dist`` (dist_checkpointing, any layout)."""
+    if fmt == "full":
+        model = build_model(arch)  # verifies every name and shape against the real model
+        load_full_into(model, sd, f"{arch.scalevec} state dict")
+        save_full(sd, arch, path, overwrite)
+    elif fmt == "dist":
+        model = build_model(arch)
+        load_full_into(model, sd, f"{arch.scalevec} state dict")
+        save_dist(model, path, arch, overwrite)
+    else:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+
+def convert(source: str, output: str, target: str, *, arch: Optional[ModelArch] = None,
+            fmt: str = "full", allow_function_change: bool = False, overwrite: bool = False,
+            dtype: torch.dtype = torch.float32) -> dict:
+    """Convert ``source`` to ``target`` (``stock``, ``hf`` or a strategy) at ``output``.
+
+    Returns a report: source/target, and the max logit difference measured on a sample batch
+    between the source model and the converted one (0 up to rounding unless DNP was added)."""
+    if os.path.exists(output) and not overwrite:
+        raise FileExistsError(f"output {output} exists; pass --overwrite")
+    sd, src_arch = read_checkpoint(source, arch)
+    stock_sd, stock_arch = fold_state_dict(sd, src_arch)
+    report = {"source": src_arch.scalevec, "target": target}
+    if target == "hf":
+        report["architecture"] = _hf.export_hf(stock_sd, stock_arch, output,
+                                               overwrite=overwrite, dtype=dtype)
+        report["max_logit_diff"] = _diff_to_source(sd, src_arch, stock_sd, stock_arch)
+        return report
+    if target == STOCK:
+        out_sd, out_arch = stock_sd, stock_arch
+        report["max_logit_diff"] = _diff_to_source(sd, src_arch, stock_sd, stock_arch)
+    else:
+        model, wreport = warm_start(stock_sd, stock_arch, target,
+                                    allow_function_change=allow_function_change)
+        out_sd, out_arch = full_state_dict(model), stock_arch.replace(scalevec=wreport["target"])
+        report.update(wreport)
+    write_checkpoint(out_sd, out_arch, output, fmt, overwrite)
+    return report
+
+
+def _diff_to_source(sd, arch, stock_sd, stock_arch) -> float:
+    from megatron_scalevec.convert.arch import logits, sample_batch
+
+    a, b = build_model(arch), build_model(stock_arch)
+    load_full_into(a, sd, "source")
+    load_full_into(b, stock_sd, "stock")
+    tokens, pos = sample_batch(arch)
+    return float((logits(a, tokens, pos) - logits(b, tokens, pos)).abs().max())
