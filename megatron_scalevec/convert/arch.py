@@ -15,7 +15,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -50,7 +50,7 @@ class ModelArch:
     moe_ffn_hidden_size: Optional[int] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_router_pre_softmax: bool = False
-    moe_layer_freq: int = 1
+    moe_layer_freq: Union[int, list] = 1  # megatron-core: every n-th layer, or 0/1 per layer
 
     def __post_init__(self):
         if self.num_query_groups is None:

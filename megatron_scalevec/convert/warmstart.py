@@ -9,8 +9,9 @@ Per layer, the Pre-Norm gamma goes where the target keeps its input-side vectors
 
 * ``shared`` target: into the Pre-Norm vector (plain, OR or ER);
 * HG target: copied into every branch vector (``linear_qkv.scale_in.{q,k,v}``,
-  ``linear_fc1.scale_in.{gate,up}``);
-* ``none`` target: folded into the columns of ``linear_qkv`` / ``linear_fc1`` (exact).
+  ``linear_fc1.scale_in.{gate,up}``; in an MoE layer the router's ``scale_in`` and every
+  expert's and shared expert's ``linear_fc1.scale_in``);
+* ``none`` target: folded into the columns of those same matrices (exact).
 
 DP output vectors start at 1. Every vector is set with ``ScaleVector.set_from_gamma``, so OR
 gets ``beta = |gamma| / sqrt(m)``, ``u = gamma`` and ER needs gamma > 0 (else an error naming

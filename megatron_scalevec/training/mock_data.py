@@ -12,12 +12,17 @@ import torch
 
 
 class _Tokenizer:
-    """The few attributes megatron's dataset builder reads from a tokenizer."""
+    """The few attributes megatron's dataset builder reads from a tokenizer.
+
+    No ``pad``: megatron-core 0.16.1's GPTDataset then uses -1, which never occurs. With a pad id
+    that occurs in the labels, its cached loss mask is zeroed *in place* at the first sample's
+    pad positions and every later sample inherits them (masks depend on fetch history, so a
+    resumed run would see different masks).
+    """
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self.eod = vocab_size - 1
-        self.pad = vocab_size - 2
         self.unique_identifiers = {"class": "MockTokenizer", "vocab_size": vocab_size}
 
 

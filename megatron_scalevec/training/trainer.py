@@ -199,6 +199,7 @@ class Trainer:
         from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
         from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa
+
         from megatron_scalevec.optim import build_optimizer  # noqa: PLC0415
         from megatron_scalevec.training.monitor import MetricsLog  # noqa: PLC0415
 
