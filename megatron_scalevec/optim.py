@@ -186,22 +186,3 @@ def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecCon
         return get_megatron_muon_optimizer(config, model_chunks, config_overrides=overrides)
     return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
 
-
-def effective_decay(optimizer, model_chunks) -> dict[str, float]:
-    """Model parameter name -> the weight decay its optimizer group applies now (after the
-    scheduler stepped). Works for the plain and the distributed optimizer."""
-    by_param = {}
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in opts:
-        groups = opt.optimizer.param_groups
-        model_groups = getattr(opt, "model_float16_groups", None)
-        if model_groups is not None:  # distributed or mixed-precision: index-aligned groups
-            fp32 = opt.model_fp32_groups
-            for gi, group in enumerate(groups):
-                for p in list(model_groups[gi]) + list(fp32[gi]):
-                    by_param[p] = group["weight_decay"]
-        else:
-            for group in groups:
-                for p in group["params"]:
-                    by_param[p] = group["weight_decay"]
-    return {n: by_param[p] for n, p in _named_params(model_chunks) if p in by_param}

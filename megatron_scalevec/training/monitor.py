@@ -49,7 +49,7 @@ def scale_vector_stats(model) -> dict:
     for chunk_idx, chunk in enumerate(model):
         root = _unwrap(chunk)
         feeds = {}
-        for name, mod in root.named_modules():
+        for mod in root.modules():
             if hasattr(mod, "scale_in") and hasattr(mod, "slots"):
                 for b, vec in mod.scale_in.items():
                     feeds[id(vec)] = (mod, b)
