@@ -29,7 +29,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": [
-        "megatron-scalevec-pretrain = megatron_scalevec.training.trainer:main",
+        "megatron-scalevec-pretrain = megatron_scalevec.training.trainer:cli",
         "megatron-scalevec-preprocess = megatron_scalevec.training.preprocess:main",
         "megatron-scalevec-convert = megatron_scalevec.convert.cli:main",
         "megatron-scalevec-bench = megatron_scalevec.bench:main",

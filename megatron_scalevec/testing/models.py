@@ -52,7 +52,8 @@ def build_gpt(config: TransformerConfig, strategy: Optional[str], seed: int = 7)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     if strategy is None:
-        spec = get_gpt_layer_local_spec(normalization=config.normalization,
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts,
+                                         normalization=config.normalization,
                                          qk_layernorm=config.qk_layernorm)
     else:
         spec = get_scalevec_block_spec(config, strategy)
