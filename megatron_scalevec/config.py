@@ -29,6 +29,7 @@ PRESETS = {
     "none": "none",
     "unified": "hg+dnp+or+iwd",
 }
+EXPERT_VECTORS = ("per_expert", "shared")
 TOKENS = ("shared", "none", "hg", "dp", "dnp", "or", "er", "iwd")
 
 
@@ -50,6 +51,10 @@ class ScaleVecConfig:
             effective weight (one GEMM), ``activation`` scales activations (works with
             any linear implementation, e.g. Transformer Engine), ``auto`` picks weight
             for megatron-core's local linears and activation otherwise.
+        expert_vectors: MoE reading of the expert-side vectors (HG input, DP / DNP output):
+            ``per_expert`` (SPEC.md: every routed expert has its own) or ``shared`` (one set
+            per MoE layer used by all its routed experts; about E times fewer parameters for
+            fine-grained MoE). Shared experts and the router are unaffected.
     """
 
     vectors: bool = True
@@ -62,6 +67,7 @@ class ScaleVecConfig:
     dp_output_role: str = "input"
     decay_direction: bool = False
     apply_mode: str = "auto"
+    expert_vectors: str = "per_expert"
 
     def __post_init__(self):
         if self.dp and self.dnp:
@@ -78,6 +84,10 @@ class ScaleVecConfig:
             raise ValueError("ScaleVecConfig.dp_output_role must be 'input' or 'output'")
         if self.apply_mode not in ("auto", "weight", "activation"):
             raise ValueError("ScaleVecConfig.apply_mode must be auto, weight or activation")
+        if self.expert_vectors not in EXPERT_VECTORS:
+            raise ValueError(f"ScaleVecConfig.expert_vectors must be one of {EXPERT_VECTORS} "
+                             f"(one set of MoE expert vectors per expert, or one per layer "
+                             f"shared by its routed experts); got {self.expert_vectors!r}")
         if self.scale_vector_weight_decay is not None and self.scale_vector_weight_decay < 0:
             raise ValueError("ScaleVecConfig.scale_vector_weight_decay must be >= 0")
 

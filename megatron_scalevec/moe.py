@@ -13,6 +13,10 @@ shared by the router and every expert; under HG it has no vector of its own, and
   whole FFN width, all-reduced over the expert-tensor-parallel group when split);
 * shared experts get their own, as a dense MLP of width ``moe_shared_expert_intermediate_size``.
 
+``ScaleVecConfig.expert_vectors='shared'`` is a second reading for fine-grained MoE: one set
+``gamma_g, gamma_u, a_g, a_u`` per MoE layer used by all routed experts
+(:class:`ExpertSharedVectors`, reduction argument there); router and shared experts unchanged.
+
 OR / ER apply to all of them. Aux-loss, z-loss and aux-loss-free (expert bias) balancing are
 megatron-core's, untouched: ``gamma_r`` only changes the logits they read.
 
@@ -21,7 +25,7 @@ columns under expert TP, reduced in autograd over the expert-TP group only (neve
 group), and over the expert data-parallel group by DDP (they copy ``allreduce`` from the expert
 weight). None carries ``sequence_parallel``. ``SequentialMLP.sharded_state_dict`` prepends the
 global expert axis to every sharded tensor of an expert, so vectors are saved at global expert
-ids like the weights.
+ids like the weights. (Shared expert vectors: once per layer, see ExpertSharedVectors.)
 
 Parameter count
 ---------------
@@ -31,13 +35,16 @@ the hidden size, ``E`` experts, ``f`` the expert FFN width, ``f_s`` the shared-e
 per vector) else 0, ``[.]`` 1 when the variant is on::
 
     router   [hg] (h + s)
-    experts  E * ( [hg] G (h + s) + [dp or dnp] G (f + s) )
+    experts  E' * ( [hg] G (h + s) + [dp or dnp] G (f + s) )
+             E' = E (expert_vectors='per_expert') or 1 ('shared')
     shared   [f_s > 0] ( [hg] G (h + s) + [dp or dnp] G (f_s + s) )
     pre-norm [hg] (-h)      (its gamma moved into the branches); [shared and or/er] (+s)
 
-The fraction of an expert's 3hf (gated) weights is about 2/(3f) + 2/(3h) for HG+DNP, which
-does not shrink with the number of experts. :func:`moe_new_parameters` evaluates this (and the
-attention / dense terms) and tests check it against a built model.
+Per expert, the fraction of its 3hf (gated) weights is about 2/(3f) + 2/(3h) for HG+DNP, which
+does not shrink with the number of experts (2.05e-3 of a 64-expert, f=384, 2.1B model);
+shared, the expert term is one expert's, ~E times smaller (5.8e-5 of that model).
+:func:`moe_new_parameters` evaluates this (and the attention / dense terms) and tests check
+it against a built model.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import functools
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -54,12 +62,14 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import ScaleVecMLP
+from megatron_scalevec.norms import ScaleVecNorm
 from megatron_scalevec.vectors import ScaleVector
 
-__all__ = ["ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP", "ScaleVecTopKRouter",
-           "grouped_gemm_available", "moe_new_parameters", "moe_spec"]
+__all__ = ["ExpertSharedVectors", "ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP",
+           "ScaleVecTopKRouter", "grouped_gemm_available", "moe_new_parameters", "moe_spec"]
 
 
 class ScaleVecTopKRouter(TopKRouter):
@@ -91,11 +101,86 @@ class ScaleVecTopKRouter(TopKRouter):
         return moe_utils.router_gating_linear(input, weight, self.bias, router_dtype)
 
 
+class ExpertSharedVectors(torch.nn.Module):
+    """``expert_vectors='shared'``: one set of expert-side vectors for all routed experts of a
+    MoE layer: ``scale_in`` (HG gamma_g, gamma_u in R^h), ``scale_out`` (DP a_g, a_u) and
+    ``gate_norm`` / ``up_norm`` (DNP), the latter two in R^f split over expert TP like fc1.
+
+    They are not per-expert parameters: every EP rank holds the same copy and its local
+    experts use it, so its autograd gradient covers only the tokens of the local experts.
+    Reduction, exact for every layout: in autograd we sum over the expert-TP x EP group
+    (``tp_ep``) for the input gammas (replicated over expert TP, each rank uses its own fc1
+    rows) and over EP only for the output vectors (split over expert TP, so the expert-TP
+    part is already complete). Every rank then holds sum_e g_e, e over the experts of its
+    expert-data-parallel replica. The parameters copy ``allreduce`` from the expert weights,
+    so DDP then does to them exactly what it does to a per-expert vector (sum over expert DP,
+    factor 1/dp_cp): by linearity the result is sum_e of the per-expert gradients, i.e. the
+    true gradient of the shared vector. Leaving them to DDP's dense buckets would not be:
+    when expert TP < TP the EP group runs along the dense TP ranks, outside the dense DP
+    group (e.g. TP=2, EP=2, ETP=1 has DP=1).
+    """
+
+    def __init__(self, config, scalevec: ScaleVecConfig, width: int, *, expt_tp, tp_ep, ep,
+                 allreduce: bool):
+        super().__init__()
+        names = ["gate", "up"] if config.gated_linear_unit else ["up"]
+        local = width // sharding.group_size(expt_tp)
+        kw = dict(tp_group=expt_tp, expert_allreduce=allreduce)
+        self.scale_in = torch.nn.ModuleDict()
+        self.scale_out = torch.nn.ModuleDict()
+        self.gate_norm = self.up_norm = None
+        for name in names:
+            if scalevec.hg and scalevec.vectors:
+                self.scale_in[name] = ScaleVector(
+                    config.hidden_size, scalevec.parameterization, role="input",
+                    grad_group=tp_ep, dtype=config.params_dtype, **kw)
+            if scalevec.dp:
+                self.scale_out[name] = ScaleVector(
+                    local, scalevec.parameterization, role=scalevec.dp_output_role,
+                    split=True, grad_group=ep, dtype=config.params_dtype, **kw)
+            if scalevec.dnp:
+                setattr(self, f"{name}_norm", ScaleVecNorm(
+                    config, local, config.layernorm_epsilon, scalevec=scalevec, kind="branch",
+                    split=True, grad_group=ep, **kw))
+
+    def attach(self, expert: ScaleVecMLP) -> None:
+        """Make ``expert`` use these vectors instead of the ones it built (no RNG involved),
+        held by reference only (not registered), so state_dict, optimizer and checkpoint see
+        them once, here."""
+        fc1 = expert.linear_fc1
+        for module, name, target in ((fc1, "scale_in", self.scale_in),
+                                     (fc1, "scale_out", self.scale_out),
+                                     (expert, "gate_norm", self.gate_norm),
+                                     (expert, "up_norm", self.up_norm)):
+            own = getattr(module, name)
+            if (own is None) != (target is None) or \
+                    isinstance(own, torch.nn.ModuleDict) and set(own) != set(target):
+                raise RuntimeError(f"expert {name} does not match the shared vectors")
+            module._modules.pop(name, None)
+            object.__setattr__(module, name, target)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None,
+                           ep_group=None, expt_dp_group=None):
+        """Once per layer (no expert axis), replicated over EP x expert DP (and expert TP
+        where not split): the replica id's last entry numbers the (EP, expert-DP) copies."""
+        sd = {}
+        copy = sharding.group_rank(ep_group) + sharding.group_size(ep_group) * \
+            sharding.group_rank(expt_dp_group)
+        for name, vec in self.named_modules():
+            if isinstance(vec, ScaleVector) and name:
+                part = vec.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata)
+                for sh in part.values():
+                    sh.replica_id = (*sh.replica_id[:2], copy)
+                sd.update(part)
+        return sd
+
+
 class ScaleVecSequentialMLP(SequentialMLP):
     """SequentialMLP whose local experts are :class:`ScaleVecMLP` (DNP needs the MLP class).
 
     megatron-core's constructor hard-codes ``MLP(...)``; we let it build zero experts (so it
-    still sets up its groups and config) and append ours with the same arguments.
+    still sets up its groups and config) and append ours with the same arguments. Under
+    ``expert_vectors='shared'`` the experts use ``shared_vectors`` (:class:`ExpertSharedVectors`).
     """
 
     def __init__(self, num_local_experts, config, submodules: MLPSubmodules,
@@ -109,6 +194,27 @@ class ScaleVecSequentialMLP(SequentialMLP):
             self.local_experts.append(ScaleVecMLP(
                 self.config, submodules, scalevec=scalevec, is_expert=True,
                 ffn_hidden_size=self.config.moe_ffn_hidden_size, tp_group=self.tp_group))
+        self.shared_vectors = None
+        if scalevec.expert_vectors == "shared" and num_local_experts and \
+                (scalevec.hg or scalevec.dp or scalevec.dnp):
+            tp_ep = getattr(pg_collection, "tp_ep", None) if pg_collection is not None \
+                else None
+            if tp_ep is None:
+                tp_ep = parallel_state.get_expert_tensor_and_model_parallel_group(False)
+            weight = self.local_experts[0].linear_fc1.weight
+            self.shared_vectors = ExpertSharedVectors(
+                self.config, scalevec, self.config.moe_ffn_hidden_size, expt_tp=self.tp_group,
+                tp_ep=tp_ep, ep=self.ep_group, allreduce=getattr(weight, "allreduce", True))
+            for expert in self.local_experts:
+                self.shared_vectors.attach(expert)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.shared_vectors is not None:
+            sd.update(self.shared_vectors.sharded_state_dict(
+                f"{prefix}shared_vectors.", sharded_offsets, metadata, self.ep_group,
+                self.dp_group))
+        return sd
 
 
 class _DeferredScaleVecMLP(ScaleVecMLP):
@@ -201,7 +307,7 @@ def moe_new_parameters(cfg: ScaleVecConfig, *, num_layers: int, hidden: int, hea
                        gated: bool = True) -> dict:
     """New parameters vs megatron-core's own layers, by place (the formula in the docstring,
     plus attention, dense-MLP and final-norm terms). ``moe_layers``: 0/1 per layer
-    (default: all MoE). Without ``qk_layernorm``."""
+    (default: all MoE). Without ``qk_layernorm``. Reads ``cfg.expert_vectors``."""
     if not cfg.vectors:  # `none` removes every gamma: 2 per layer and the final one
         return {"total": -(2 * num_layers + 1) * hidden}
     s = 1 if cfg.parameterization != "plain" else 0
@@ -225,7 +331,8 @@ def moe_new_parameters(cfg: ScaleVecConfig, *, num_layers: int, hidden: int, hea
             parts["dense_mlp"] += branch_mlp(ffn)
             continue
         parts["router"] += (hidden + s) if cfg.hg else 0
-        parts["experts"] += num_experts * branch_mlp(moe_ffn)
+        copies = 1 if cfg.expert_vectors == "shared" else num_experts
+        parts["experts"] += copies * branch_mlp(moe_ffn)
         parts["shared_experts"] += branch_mlp(shared_ffn) if shared_ffn else 0
     parts["total"] = sum(parts.values())
     return parts

@@ -154,6 +154,8 @@ def decay_summary(rules: Sequence[DecayRule], model_chunks, weight_decay: float,
         c[1] += p.numel()
     totals = torch.tensor([counts[r.name][0] for r in rules], dtype=torch.long)
     if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
+            totals = totals.cuda()
         dist.all_reduce(totals)
     missing = [r.name for r, t in zip(rules, totals.tolist()) if r.required and t == 0]
     if missing:

@@ -151,8 +151,10 @@ def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
     pattern = moe_layer_pattern(config)
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     n = get_num_layers_to_build(config, vp_stage, pp_rank)
-    dense = get_scalevec_layer_spec(cfg)
-    moe = get_scalevec_layer_spec(cfg, config.num_moe_experts,
+    # Honour --transformer-impl: Megatron-LM's flag no longer picks the spec under --spec.
+    impl = "local" if config.transformer_impl == "local" else "transformer_engine"
+    dense = get_scalevec_layer_spec(cfg, transformer_impl=impl)
+    moe = get_scalevec_layer_spec(cfg, config.num_moe_experts, transformer_impl=impl,
                                   grouped_gemm=config.moe_grouped_gemm) if any(pattern) else None
     specs = [moe if pattern[offset + i] else dense for i in range(n)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_spec(cfg, "final"))
@@ -219,3 +221,7 @@ def block_module_spec(scalevec: StrategyLike) -> ModuleSpec:
 
 scalevec_dense = block_module_spec("unified")
 scalevec_moe = block_module_spec("unified")
+
+if "megatron.training" in __import__("sys").modules:  # imported by Megatron-LM's --spec
+    from megatron_scalevec.megatron_lm import install  # noqa: E402 (see megatron_lm.py)
+    install()

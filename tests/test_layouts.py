@@ -16,19 +16,8 @@ TOL = 2e-5
 def _case(rank, world, strategy, *, tp=1, pp=1, sp=False, dist_opt=False, steps=0,
           ref_dir=None, load_dir=None, out_dir=None):
     init_model_parallel(tp=tp, pp=pp)
-    config = M.tiny_config(sequence_parallel=sp)
-    model = M.build_gpt(config, strategy)
-    if load_dir is None:
-        M.perturb_vectors(model)
-        M.save_model(model, ref_dir)
-    else:
-        M.load_model(model, load_dir)
-    ddp = M.wrap_ddp(model, config, dist_opt)
-    opt = M.make_optimizer(ddp, dist_opt) if steps else None
-    losses = M.train_steps(ddp, config, M.batches(4, 2), max(steps, 1), opt)
-    if out_dir:
-        (M.save_model if steps else M.save_grads)(model, out_dir)
-    return losses
+    return M.run_case(M.tiny_config(sequence_parallel=sp), strategy, dist_opt=dist_opt,
+                      steps=steps, ref_dir=ref_dir, load_dir=load_dir, out_dir=out_dir)
 
 
 def _diffs(rank, world, a_dir, b_dir):

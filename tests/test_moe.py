@@ -102,15 +102,19 @@ def test_init_equals_megatron_moe_layer(shared_ffn):
 
 # ---------------------------------------------------------------- layouts
 def _case(rank, world, strategy, *, tp=1, pp=1, ep=1, etp=None, sp=False, dispatcher="allgather",
-          dist_opt=False, steps=0, apply_mode=None, ref_dir=None, load_dir=None, out_dir=None):
+          dist_opt=False, steps=0, apply_mode=None, expert_vectors="per_expert", ref_dir=None,
+          load_dir=None, out_dir=None):
     from megatron_scalevec.config import ScaleVecConfig
 
     init_model_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     config = moe_config(sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
-    if apply_mode:
-        strategy = ScaleVecConfig.from_string(strategy, apply_mode=apply_mode)
+    strategy = ScaleVecConfig.from_string(strategy, expert_vectors=expert_vectors,
+                                          **({"apply_mode": apply_mode} if apply_mode else {}))
     model = M.build_gpt(config, strategy)
-    _check_expert_vector_groups(model, ep)
+    if expert_vectors == "shared":
+        _check_shared_expert_vectors(model, ep)
+    else:
+        _check_expert_vector_groups(model, ep)
     if load_dir is None:
         M.perturb_vectors(model)
         M.save_model(model, ref_dir)
@@ -163,13 +167,15 @@ def references(tmp_path_factory):
     """Reference weights (vectors perturbed) and gradients at one process, per strategy."""
     cache = {}
 
-    def get(strategy):
-        if strategy not in cache:
-            root = tmp_path_factory.mktemp("moe_" + strategy.replace("+", "_"))
+    def get(strategy, expert_vectors="per_expert"):
+        key = (strategy, expert_vectors)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"moe_{expert_vectors}_" + strategy.replace("+", "_"))
             ref, grads = str(root / "weights"), str(root / "grads")
-            losses = run_on_ranks(_case, 1, strategy, ref_dir=ref, out_dir=grads)[0]
-            cache[strategy] = (ref, grads, losses)
-        return cache[strategy]
+            losses = run_on_ranks(_case, 1, strategy, expert_vectors=expert_vectors,
+                                  ref_dir=ref, out_dir=grads)[0]
+            cache[key] = (ref, grads, losses)
+        return cache[key]
 
     return get
 
@@ -231,12 +237,12 @@ def test_distributed_optimizer_steps_equal_at_ep1_and_ep2(reference, tmp_path):
 
 
 # ---------------------------------------------------------------- checkpoint resharding
-def _reshard(rank, world, *, ep, save_dir=None, load_dir=None):
+def _reshard(rank, world, *, ep, save_dir=None, load_dir=None, strategy="unified"):
     from megatron.core import parallel_state as ps
 
     init_model_parallel(ep=ep)
     config = moe_config(moe_layer_freq=1)
-    model = M.build_gpt(config, "unified")
+    model = M.build_gpt(config, strategy)
     local = {}
     if load_dir is None:
         with torch.no_grad():  # distinct vectors per global expert
@@ -357,3 +363,113 @@ def test_parameter_count_formula_and_reference_overhead():
     # per expert 2(h + f) + 4 new over 3hf: the ratio is about 2/(3f) + 2/(3h)
     bound = 2 / (3 * ref["moe_ffn"]) + 2 / (3 * ref["hidden"])
     assert ratio < bound, (ratio, bound)
+
+
+# ---------------------------------------------------------------- expert_vectors="shared"
+# One set of expert-side vectors per MoE layer, used by every routed expert (moe.py,
+# ExpertSharedVectors): same checks as above, at the layouts that exercise its reduction.
+def _shared(strategy):
+    from megatron_scalevec.config import ScaleVecConfig
+
+    return ScaleVecConfig.from_string(strategy, expert_vectors="shared")
+
+
+def _check_shared_expert_vectors(model, ep):
+    """Owned once per layer by the experts module, EP/expert-TP groups, expert allreduce."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_scalevec.vectors import ScaleVector
+
+    etp = ps.get_expert_tensor_parallel_group()
+    groups = {ps.get_expert_tensor_and_model_parallel_group(), ps.get_expert_model_parallel_group()}
+    assert not [n for n, p in model.named_parameters()
+                if ".local_experts." in n and hasattr(p, "scalevec_part")]
+    seen = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, ScaleVector) and ".experts.shared_vectors." in name:
+            seen += 1
+            assert mod.tp_group is etp, name
+            assert mod.grad_group is None or mod.grad_group in groups, name
+            for p in mod.parameters():
+                assert not hasattr(p, "sequence_parallel"), name
+                assert p.allreduce == (ep == 1), name
+    assert seen > 0
+
+
+def test_shared_expert_vectors_config():
+    from megatron_scalevec.config import ScaleVecConfig
+
+    assert ScaleVecConfig().expert_vectors == "per_expert"
+    assert _shared("unified").expert_vectors == "shared"
+    with pytest.raises(ValueError, match="expert_vectors"):
+        ScaleVecConfig.from_string("unified", expert_vectors="per_layer")
+
+
+def test_shared_expert_vectors_init_equals_megatron_moe_layer():
+    strategies = [_shared("hg+dp+or"), _shared("hg+er")]
+    res = run_on_ranks(_parity, 1, strategies, 40)[0]
+    for strategy, (dloss, worst, n_common, n_vec, names) in res.items():
+        assert abs(dloss) < 1e-5 and worst < 1e-5, (strategy, dloss, worst)
+        assert n_common >= 20 and n_vec > 0
+        assert not any(".local_experts." in n for n in names), names
+        assert any("experts.shared_vectors.scale_in.gate" in n for n in names), names
+        assert any(".shared_experts.linear_fc1.scale_in" in n for n in names)
+    assert any("experts.shared_vectors.scale_out.up" in n for n in res[strategies[0]][4])
+
+
+SHARED_LAYOUTS = {**LAYOUTS, "ep2_edp2": dict(world=4, ep=2)}
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2_sp_ep2_etp1", "tp2_sp_etp2", "ep2_edp2"])
+def test_shared_expert_vectors_match_across_layouts(references, tmp_path, layout):
+    """tp2_sp_ep2_etp1: the EP group is the dense TP group (DP=1), so only the explicit
+    reduction over EP (not DDP's dense one) gives the EP=1 gradient; ep2_edp2 adds DDP's
+    expert-data-parallel sum and its 1/dp factor."""
+    ref, ref_grads, ref_losses = references("unified", "shared")
+    opts = dict(SHARED_LAYOUTS[layout])
+    world = opts.pop("world")
+    out = str(tmp_path / "grads")
+    losses = run_on_ranks(_case, world, "unified", expert_vectors="shared", load_dir=ref,
+                          out_dir=out, **opts)
+    assert abs(losses[0][0] - ref_losses[0]) < TOL, (losses, ref_losses)
+    worst, key, diffs = _compare(ref_grads, out)
+    shared = [k for k in diffs if ".experts.shared_vectors." in k]
+    for part in ("scale_in.gate.", "scale_in.up.", "gate_norm.", "up_norm."):
+        assert any(part in k for k in shared), (part, shared)
+    assert worst < TOL, f"{layout}: grad of {key} differs by {worst}"
+
+
+def test_shared_expert_vectors_checkpoint_ep2_loads_at_ep1(tmp_path):
+    saved = str(tmp_path / "ep2")
+    at_ep2 = run_on_ranks(_reshard, 2, ep=2, save_dir=saved, strategy=_shared("unified"))
+    at_ep1 = run_on_ranks(_reshard, 1, ep=1, load_dir=saved, strategy=_shared("unified"))[0]
+    assert at_ep2[0][0] == at_ep2[1][0]
+    assert at_ep1[0] == pytest.approx(at_ep2[0][0], abs=1e-6)
+    # saved once per layer: [layers, h], no expert axis, no per-expert copy
+    key = "decoder.layers.mlp.experts.shared_vectors.scale_in.gate.direction"
+    assert run_on_ranks(_plain, 1, saved, key)[0].shape == (2, 32)
+    keys = run_on_ranks(_keys, 1, saved)[0]
+    assert not [k for k in keys if "experts.experts." in k and ("scale_" in k or "_norm" in k)]
+
+
+def _keys(rank, world, directory):
+    return sorted(M.plain_tensors(directory))
+
+
+def test_shared_expert_vectors_parameter_count_and_reference_overhead():
+    from megatron_scalevec.moe import moe_model_parameters, moe_new_parameters
+
+    strategies = [_shared(s) for s in ("unified", "hg+dp+er", "hg")]
+    _, new = run_on_ranks(_count, 1, strategies)[0]
+    for cfg in strategies:
+        assert moe_new_parameters(cfg, **COUNT_SHAPE)["total"] == new[cfg], cfg
+    ref = dict(num_layers=24, hidden=1024, heads=16, query_groups=4, head_dim=64, ffn=4096,
+               num_experts=64, moe_ffn=384, shared_ffn=0)
+    total = moe_model_parameters(vocab=128256, **ref)["total"]
+    per_expert = moe_new_parameters(_shared("unified").replace(expert_vectors="per_expert"),
+                                    **ref)["total"]
+    parts = moe_new_parameters(_shared("unified"), **ref)
+    ratio = parts["total"] / total
+    print(f"\nreference MoE: {total / 1e9:.3f}B params; unified adds {per_expert:,} per expert "
+          f"({per_expert / total:.3e}), {parts['total']:,} shared ({ratio:.3e}): {parts}")
+    assert ratio < 1e-4 < per_expert / total

@@ -118,6 +118,7 @@ class ModelArch:
             masked_softmax_fusion=False, bias_activation_fusion=False,
             gradient_accumulation_fusion=False, persist_layer_norm=False, hidden_dropout=0.0,
             attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+            transformer_impl="local",
         )
         if self.is_moe:
             kw.update(num_moe_experts=self.num_moe_experts, moe_router_topk=self.moe_router_topk,

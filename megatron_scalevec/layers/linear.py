@@ -152,6 +152,8 @@ class ScaleVecLinearMixin:
         for dict_name in ("scale_in", "scale_out"):
             for key in [k for k in sd if k.startswith(f"{prefix}{dict_name}.")]:
                 del sd[key]
+            if dict_name not in self._modules:
+                continue  # held by reference (MoE expert_vectors='shared'): the owner saves it
             for name, vec in getattr(self, dict_name).items():
                 sd.update(vec.sharded_state_dict(f"{prefix}{dict_name}.{name}.",
                                                  sharded_offsets, metadata))

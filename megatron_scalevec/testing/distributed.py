@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import socket
 import time
 import traceback
@@ -65,10 +66,12 @@ def _rank_main(conn, fn, rank, world_size, port, timeout, args, kwargs):
     except BaseException:
         message = ("err", traceback.format_exc(), time.time())
     try:
-        conn.send(message)
+        # Plain pickle, not multiprocessing's: that one passes tensors as shared-memory file
+        # descriptors, which vanish when this rank exits before the parent reads them.
+        conn.send_bytes(pickle.dumps(message))
     except Exception:
         text = "could not send the result back:\n" + traceback.format_exc()
-        conn.send(("err", text, time.time()))
+        conn.send_bytes(pickle.dumps(("err", text, time.time())))
     conn.close()
     if initialized and message[0] == "ok":
         from megatron.core import parallel_state
@@ -80,7 +83,7 @@ def _rank_main(conn, fn, rank, world_size, port, timeout, args, kwargs):
 
 def _receive(conn, rank, proc):
     try:
-        return conn.recv()
+        return pickle.loads(conn.recv_bytes())
     except EOFError:
         proc.join(1.0)
         code = proc.exitcode

@@ -42,6 +42,7 @@ def tiny_config(**overrides) -> TransformerConfig:
         apply_rope_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, hidden_dropout=0.0,
         attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        transformer_impl="local",
     )
     kw.update(overrides)
     return TransformerConfig(**kw)
@@ -132,6 +133,32 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None) -> li
         losses.append(float(loss) / (dp * parallel_state.get_tensor_model_parallel_world_size()))
         if optimizer is not None:
             optimizer.step()
+    return losses
+
+
+def run_case(config, strategy, *, dist_opt: bool = False, steps: int = 0,
+             ref_dir: Optional[str] = None, load_dir: Optional[str] = None,
+             out_dir: Optional[str] = None, check=None) -> list:
+    """One layout of the equality harness, on the current parallel layout.
+
+    Without ``load_dir`` this is the reference: vectors are perturbed and the weights saved to
+    ``ref_dir``. Otherwise the reference weights are loaded. Then ``steps`` Adam steps (or one
+    forward-backward when 0) over the same global batch; the gradients (steps == 0) or the
+    updated weights are saved to ``out_dir``. ``check(model)`` may assert on the built model.
+    """
+    model = build_gpt(config, strategy)
+    if check is not None:
+        check(model)
+    if load_dir is None:
+        perturb_vectors(model)
+        save_model(model, ref_dir)
+    else:
+        load_model(model, load_dir)
+    ddp = wrap_ddp(model, config, dist_opt)
+    opt = make_optimizer(ddp, dist_opt) if steps else None
+    losses = train_steps(ddp, config, batches(4, 2), max(steps, 1), opt)
+    if out_dir:
+        (save_model if steps else save_grads)(model, out_dir)
     return losses
 
 

@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decay of Input-Norm vectors (default: --weight-decay)")
     g.add_argument("--decay-direction", action="store_true",
                    help="under OR/ER also decay the direction/logit part")
+    g.add_argument("--expert-vectors", default="per_expert", choices=("per_expert", "shared"),
+                   help="MoE: every expert its own vectors (SPEC) or one set per layer shared "
+                        "by the routed experts (far fewer parameters)")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"))
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--transformer-impl", default=None, choices=("local", "transformer_engine"),
+                   help="linear/attention implementation (default: transformer_engine when "
+                        "Transformer Engine is installed, else local); FP8 needs TE")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon"))
@@ -139,7 +145,7 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     try:
         a.scalevec_config = ScaleVecConfig.from_string(
             a.scalevec, scale_vector_weight_decay=a.scale_vector_weight_decay,
-            decay_direction=a.decay_direction)
+            decay_direction=a.decay_direction, expert_vectors=a.expert_vectors)
     except ValueError as e:
         raise ArgumentError(f"--scalevec: {e}") from None
     if a.spec == "scalevec_moe" and a.num_experts is None:
@@ -220,5 +226,13 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         _need(a.save is not None, "--save-interval needs --save")
     if a.data_path and a.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
+    import importlib.util  # noqa: PLC0415
+
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    if a.transformer_impl is None:
+        a.transformer_impl = "transformer_engine" if have_te else "local"
+    _need(a.transformer_impl == "local" or have_te,
+          "--transformer-impl transformer_engine needs Transformer Engine installed "
+          "(pip install 'megatron_scalevec[te]'); use --transformer-impl local")
     a.run_dir = a.run_dir or a.save or os.path.join("runs", a.spec)
     return a

@@ -78,18 +78,21 @@ def _transformer_config(args, vocab_size):
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, calculate_per_token_loss=False, **moe)
+        persist_layer_norm=False, calculate_per_token_loss=False,
+        transformer_impl=args.transformer_impl, **moe)
 
 
 def _layer_spec(args, config, vp_stage):
     if args.spec == "baseline":
-        from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: PLC0415
-            get_gpt_layer_local_spec,
-        )
+        from megatron.core.models.gpt import gpt_layer_specs  # noqa: PLC0415
 
-        return get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
-                                        qk_layernorm=args.qk_layernorm,
-                                        normalization=args.normalization)
+        if args.transformer_impl == "transformer_engine":
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                num_experts=args.num_experts, moe_grouped_gemm=False,
+                qk_layernorm=args.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=False,
+            qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     from megatron_scalevec.specs import get_scalevec_block_spec  # noqa: PLC0415
 
     return get_scalevec_block_spec(config, args.scalevec_config, vp_stage)

@@ -1,0 +1,277 @@
+"""Compute efficiency of ``unified`` over ``shared``: train both at several dense sizes on a
+tokens-per-parameter budget through the real trainer, fit loss against compute and report the
+compute multiplier (how much more compute ``shared`` needs to reach ``unified``'s loss).
+
+Compute is ``C = 6 N D`` with ``N`` all parameters the trainer built (the tied embedding is also
+the output layer, which dominates the FLOPs of models this small) and ``D`` the trained tokens.
+
+Fits, per strategy, on the seed-mean final validation loss of each size:
+
+* ``power``: ``L = a C^-b + c`` (grid over ``c``, linear least squares in log space); used only
+  with at least 4 sizes, a finite ``c`` strictly inside its range and ``b > 0``;
+* ``loglinear`` otherwise: ``L = alpha_s - beta ln C`` with one slope for both strategies, so the
+  multiplier ``exp((alpha_shared - alpha_unified) / beta)`` does not depend on ``C``.
+
+The power-law multiplier is taken at the largest compute measured. Uncertainty: a paired
+bootstrap over seeds (the same resampled seeds for both strategies at each size), 95%
+percentile interval.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import random
+
+from megatron_scalevec.evidence import runner, stats
+
+STRATEGIES = ("shared", "hg+dnp+or+iwd")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/scaling")
+    p.add_argument("--sizes", nargs="+", default=["2x32", "2x48", "2x64", "3x80"],
+                   help="LAYERSxHIDDEN; heads = hidden / --head-dim")
+    p.add_argument("--head-dim", type=int, default=16)
+    p.add_argument("--tokens-per-param", type=float, default=1.0)
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--strategies", nargs=2, default=list(STRATEGIES),
+                   metavar=("BASELINE", "CANDIDATE"))
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-iters", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="the tokenizer's vocabulary (embedded default: 4096), for the budget")
+    p.add_argument("--bootstrap", type=int, default=2000)
+    p.add_argument("--trainer-args", default="")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="OMP threads per run")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    return p
+
+
+def _size(s):
+    layers, hidden = (int(x) for x in s.lower().split("x"))
+    return layers, hidden
+
+
+def approx_params(layers, hidden, vocab):
+    """Tied embedding + per layer QKV/proj (4 h^2) and gated FFN of width 4h (12 h^2)."""
+    return vocab * hidden + layers * 16 * hidden * hidden
+
+
+def runs_for(a) -> list:
+    tokens_per_iter = a.seq_length * a.micro_batch_size
+    runs = []
+    for seed in range(1, a.seeds + 1):
+        for size in a.sizes:
+            layers, hidden = _size(size)
+            n = approx_params(layers, hidden, a.vocab_size)
+            iters = max(20, math.ceil(a.tokens_per_param * n / tokens_per_iter))
+            for s in a.strategies:
+                argv = ["--spec", "scalevec_dense", "--scalevec", s, "--num-layers", layers,
+                        "--hidden-size", hidden, "--num-attention-heads", hidden // a.head_dim,
+                        "--seq-length", a.seq_length, "--micro-batch-size", a.micro_batch_size,
+                        "--train-iters", iters, "--eval-interval", iters,
+                        "--eval-iters", a.eval_iters, "--lr", a.lr, "--seed", seed,
+                        "--log-interval", 10, "--no-plot", "--quiet"]
+                runs.append(runner.Run(f"{s}/{size}/seed{seed}",
+                                       [str(x) for x in argv] + a.trainer_args.split(), iters,
+                                       dict(strategy=s, size=size, seed=seed, iters=iters)))
+    return runs
+
+
+def collect(a, root) -> list:
+    out = []
+    for r in runs_for(a):
+        d = os.path.join(root, r.key)
+        if not runner.is_done(d, r.train_iters):
+            continue
+        n = runner.read_json(os.path.join(d, "params.json"), {}).get("total")
+        tokens = r.train_iters * a.seq_length * a.micro_batch_size
+        out.append(dict(r.labels, params=n, tokens=tokens, compute=6.0 * n * tokens,
+                        val_loss=runner.val_curve(d)[-1][1]))
+    return out
+
+
+# ----------------------------------------------------------------------------- fits
+def _linfit(xs, ys):
+    mx, my = stats.mean(xs), stats.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return my - slope * mx, slope
+
+
+def fit_power(cs, ls, grid=400):
+    """(a, b, c, sse) of L = a C^-b + c, or None when the best c sits on the grid's edge or
+    b <= 0 (the fit is then not identified by the data)."""
+    best = None
+    top = min(ls)
+    for k in range(grid):
+        c = top * k / grid
+        xs, ys = [math.log(x) for x in cs], [math.log(y - c) for y in ls]
+        icpt, slope = _linfit(xs, ys)
+        a, b = math.exp(icpt), -slope
+        sse = sum((a * x ** -b + c - y) ** 2 for x, y in zip(cs, ls))
+        if best is None or sse < best[3]:
+            best = (a, b, c, sse, k)
+    a, b, c, sse, k = best
+    return None if k in (0, grid - 1) or b <= 0 else (a, b, c, sse)
+
+
+def fit_loglinear(points):
+    """points: {strategy: [(C, L)]} -> ({strategy: alpha}, beta, rms) with one common slope."""
+    names = list(points)
+    xs = {s: [math.log(c) for c, _ in points[s]] for s in names}
+    ys = {s: [loss for _, loss in points[s]] for s in names}
+    mx = {s: stats.mean(xs[s]) for s in names}
+    my = {s: stats.mean(ys[s]) for s in names}
+    num = sum((x - mx[s]) * (y - my[s]) for s in names for x, y in zip(xs[s], ys[s]))
+    den = sum((x - mx[s]) ** 2 for s in names for x in xs[s])
+    beta = -num / den
+    alpha = {s: my[s] + beta * mx[s] for s in names}
+    res = [y - (alpha[s] - beta * x) for s in names for x, y in zip(xs[s], ys[s])]
+    return alpha, beta, math.sqrt(stats.mean(r * r for r in res))
+
+
+def multiplier(points, base, cand, allow_power=True):
+    """(method, multiplier, detail) for ``base`` to reach ``cand``'s loss."""
+    if allow_power and all(len(p) >= 4 for p in points.values()):
+        fits = {s: fit_power(*zip(*sorted(points[s]))) for s in (base, cand)}
+        if all(fits.values()):
+            cmax = max(c for c, _ in points[cand])
+            a, b, c, _ = fits[cand]
+            target = a * cmax ** -b + c
+            ab, bb, cb, _ = fits[base]
+            if target <= cb:
+                return "power", math.inf, fits
+            return "power", ((target - cb) / ab) ** (-1 / bb) / cmax, fits
+    alpha, beta, rms = fit_loglinear({s: points[s] for s in (base, cand)})
+    if beta <= 0:
+        return "loglinear", math.nan, (alpha, beta, rms)
+    return "loglinear", math.exp((alpha[base] - alpha[cand]) / beta), (alpha, beta, rms)
+
+
+def _points(rows, pick=None):
+    """{strategy: [(C, mean L over the chosen seeds)]}; ``pick``: {size: [seed, ...]}."""
+    out = {}
+    for s in sorted({r["strategy"] for r in rows}):
+        for size in sorted({r["size"] for r in rows}):
+            rs = {r["seed"]: r for r in rows if r["strategy"] == s and r["size"] == size}
+            seeds = pick[size] if pick else sorted(rs)
+            if not rs or any(k not in rs for k in seeds):
+                continue
+            c = stats.mean(rs[k]["compute"] for k in seeds)
+            out.setdefault(s, []).append((c, stats.mean(rs[k]["val_loss"] for k in seeds)))
+    return out
+
+
+def analyse(a, rows, seed=0):
+    base, cand = a.strategies
+    pts = _points(rows)
+    method, mult, detail = multiplier(pts, base, cand)
+    rng = random.Random(seed)
+    sizes = sorted({r["size"] for r in rows})
+    seeds = sorted({r["seed"] for r in rows})
+    boots = []
+    for _ in range(a.bootstrap if len(seeds) > 1 else 0):
+        pick = {z: [rng.choice(seeds) for _ in seeds] for z in sizes}
+        _, m, _ = multiplier(_points(rows, pick), base, cand, allow_power=method == "power")
+        if math.isfinite(m):
+            boots.append(m)
+    boots.sort()
+    lo = boots[int(0.025 * len(boots))] if boots else math.nan
+    hi = boots[min(len(boots) - 1, int(0.975 * len(boots)))] if boots else math.nan
+    return dict(method=method, multiplier=mult, lo=lo, hi=hi, n_boot=len(boots),
+                detail=detail, points=pts)
+
+
+def write_tables(a, rows, res, root):
+    cols = ["strategy", "size", "seed", "params", "tokens", "compute", "val_loss"]
+    with open(os.path.join(root, "scaling.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(sorted(rows, key=lambda r: (r["strategy"], r["params"], r["seed"])))
+    base, cand = a.strategies
+    lines = ["| size | params | tokens | compute (6ND) | " + f"{base} val | {cand} val | "
+             "paired Δ (mean, 95% CI) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for size in sorted({r["size"] for r in rows}, key=lambda z: _size(z)[::-1]):
+        by = {(r["strategy"], r["seed"]): r for r in rows if r["size"] == size}
+        b = [r for (s, _), r in by.items() if s == base]
+        c = [r for (s, _), r in by.items() if s == cand]
+        d = [by[(cand, k)]["val_loss"] - by[(base, k)]["val_loss"]
+             for (s, k) in by if s == base and (cand, k) in by]
+        m, h = stats.t_interval(d) if d else (math.nan, math.nan)
+        ref = (c or b)[0]
+        lines.append(f"| {size} | {ref['params']:,} | {ref['tokens']:,} | "
+                     f"{ref['compute']:.3g} | "
+                     f"{stats.mean(r['val_loss'] for r in b):.4f} ± "
+                     f"{stats.std(r['val_loss'] for r in b):.4f} | "
+                     f"{stats.mean(r['val_loss'] for r in c):.4f} ± "
+                     f"{stats.std(r['val_loss'] for r in c):.4f} | {m:+.4f} ± {h:.4f} |")
+    if res["method"] == "loglinear":
+        alpha, beta, rms = res["detail"]
+        fit = (f"log-linear, common slope: L = alpha - {beta:.4f} ln C; alpha "
+               + ", ".join(f"{k} {v:.4f}" for k, v in alpha.items())
+               + f"; residual RMS {rms:.4f}")
+    else:
+        fit = "power law L = a C^-b + c: " + "; ".join(
+            f"{k}: a={v[0]:.4g}, b={v[1]:.4f}, c={v[2]:.4f}" for k, v in res["detail"].items())
+    lines += ["", f"Fit: {fit}.", "",
+              f"Compute multiplier ({base} compute needed to reach {cand}'s loss): "
+              f"**{res['multiplier']:.3f}x**, 95% paired-bootstrap interval over seeds "
+              f"[{res['lo']:.3f}, {res['hi']:.3f}] ({res['n_boot']} resamples)."]
+    md = "\n".join(lines) + "\n"
+    with open(os.path.join(root, "scaling.md"), "w") as f:
+        f.write("# Compute-efficiency fit\n\n" + md)
+    return md
+
+
+def plot(a, rows, res, path):
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    cs_all = [r["compute"] for r in rows]
+    grid = [min(cs_all) * (max(cs_all) / min(cs_all)) ** (k / 50) for k in range(51)]
+    for s, pts in res["points"].items():
+        line, = ax.plot(*zip(*sorted(pts)), "o", label=f"{s} (seed mean)")
+        ax.plot([r["compute"] for r in rows if r["strategy"] == s],
+                [r["val_loss"] for r in rows if r["strategy"] == s], ".",
+                color=line.get_color(), alpha=0.4)
+        if res["method"] == "loglinear":
+            alpha, beta, _ = res["detail"]
+            ax.plot(grid, [alpha[s] - beta * math.log(c) for c in grid], "-",
+                    color=line.get_color(), lw=1)
+        else:
+            fa, fb, fc, _ = res["detail"][s]
+            ax.plot(grid, [fa * c ** -fb + fc for c in grid], "-", color=line.get_color(), lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("compute C = 6 N D (FLOPs)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title(f"{res['method']} fit; multiplier {res['multiplier']:.3f}x "
+                 f"[{res['lo']:.3f}, {res['hi']:.3f}]")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    a = build_parser().parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if not a.report_only:
+        runner.execute(runs_for(a), a.out, threads=a.threads, jobs=a.jobs)
+    rows = collect(a, a.out)
+    res = analyse(a, rows)
+    md = write_tables(a, rows, res, a.out)
+    plot(a, rows, res, os.path.join(a.out, "scaling.png"))
+    print(md)
+    return res
