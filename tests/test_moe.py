@@ -110,22 +110,10 @@ def _case(rank, world, strategy, *, tp=1, pp=1, ep=1, etp=None, sp=False, dispat
     config = moe_config(sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
     strategy = ScaleVecConfig.from_string(strategy, expert_vectors=expert_vectors,
                                           **({"apply_mode": apply_mode} if apply_mode else {}))
-    model = M.build_gpt(config, strategy)
-    if expert_vectors == "shared":
-        _check_shared_expert_vectors(model, ep)
-    else:
-        _check_expert_vector_groups(model, ep)
-    if load_dir is None:
-        M.perturb_vectors(model)
-        M.save_model(model, ref_dir)
-    else:
-        M.load_model(model, load_dir)
-    ddp = M.wrap_ddp(model, config, dist_opt)
-    opt = M.make_optimizer(ddp, dist_opt) if steps else None
-    losses = M.train_steps(ddp, config, M.batches(4, 2), max(steps, 1), opt)
-    if out_dir:
-        (M.save_model if steps else M.save_grads)(model, out_dir)
-    return losses
+    check = _check_shared_expert_vectors if expert_vectors == "shared" else \
+        _check_expert_vector_groups
+    return M.run_case(config, strategy, dist_opt=dist_opt, steps=steps, ref_dir=ref_dir,
+                      load_dir=load_dir, out_dir=out_dir, check=lambda m: check(m, ep))
 
 
 def _check_expert_vector_groups(model, ep):

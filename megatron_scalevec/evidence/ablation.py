@@ -160,19 +160,39 @@ def all_runs(a, root) -> list:
 
 # ----------------------------------------------------------------------------- summary
 CSV_COLUMNS = ["family", "variant", "strategy", "lr", "seeds", "val_mean", "val_std",
-               "diff_mean", "diff_lo", "diff_hi", "diff_sd", "seeds_needed", "params",
+               "diff_mean", "diff_lo", "diff_hi", "diff_sd", "seeds_needed", "step_from",
+               "step_mean", "step_lo", "step_hi", "step_seeds_needed", "params",
                "extra_params", "overhead_frac", "iter1_dev", "wall_s"]
 
 
+def parent(variant: str):
+    """The rung a ladder step is measured from: drop the last component (``hg+dnp+or`` ->
+    ``hg+dnp``); single components and ``none`` are measured from ``shared``."""
+    if variant == "shared" or "@" in variant or variant.startswith("stock"):
+        return None
+    return variant.rsplit("+", 1)[0] if "+" in variant else "shared"
+
+
+def _paired(infos, ref_infos):
+    """(mean, lo, hi, sd, seeds needed) of the per-seed difference infos - ref_infos."""
+    ref = {i["seed"]: i["final"] for i in ref_infos}
+    d = [i["final"] - ref[i["seed"]] for i in infos if i["seed"] in ref]
+    if not d:
+        return (math.nan,) * 5
+    m, h = stats.t_interval(d)
+    sd = stats.std(d)
+    return m, m - h, m + h, sd, stats.seeds_needed(m, sd)
+
+
 def summarize(runs: list, root: str) -> list:
-    """One row per (family, variant): final validation loss over seeds and the paired
-    difference to ``shared`` of the same family and seed."""
+    """One row per (family, variant): final validation loss over seeds, the paired difference
+    to ``shared`` of the same family and seed, and the paired ladder step from its parent."""
     by = {}
     for r in runs:
         d = os.path.join(root, r.key)
-        curve = runner.val_curve(d)
         if not runner.is_done(d, r.train_iters):
             continue
+        curve = runner.val_curve(d)
         recs = runner.read_metrics(d)
         it1 = next((x["loss_last"] for x in recs if x.get("iteration") == 1), math.nan)
         info = dict(r.labels, curve=curve, final=curve[-1][1], it1=it1,
@@ -181,22 +201,23 @@ def summarize(runs: list, root: str) -> list:
         by.setdefault((r.labels["family"], r.labels["variant"]), []).append(info)
     rows = []
     for (family, variant), infos in by.items():
-        ref = {i["seed"]: i for i in by.get((family, "shared"), [])}
-        paired = [(i, ref[i["seed"]]) for i in infos if i["seed"] in ref]
-        diffs = [i["final"] - j["final"] for i, j in paired]
-        dmean, half = stats.t_interval(diffs) if diffs else (math.nan, math.nan)
-        dsd = stats.std(diffs)
+        shared = by.get((family, "shared"), [])
+        ref = {i["seed"]: i for i in shared}
+        dmean, dlo, dhi, dsd, need = _paired(infos, shared)
+        up = parent(variant)
+        step = _paired(infos, by[(family, up)]) if (family, up) in by else (math.nan,) * 5
         p = infos[0]["params"].get("total", math.nan)
-        pref = next(iter(ref.values()))["params"].get("total", math.nan) if ref else math.nan
+        pref = shared[0]["params"].get("total", math.nan) if shared else math.nan
         walls = [i["wall"] for i in infos if i["wall"]]
+        it1 = [abs(i["it1"] - ref[i["seed"]]["it1"]) for i in infos if i["seed"] in ref]
         rows.append(dict(
             family=family, variant=variant, strategy=infos[0]["strategy"], lr=infos[0]["lr"],
             seeds=len(infos), val_mean=stats.mean(i["final"] for i in infos),
-            val_std=stats.std(i["final"] for i in infos), diff_mean=dmean,
-            diff_lo=dmean - half, diff_hi=dmean + half, diff_sd=dsd,
-            seeds_needed=stats.seeds_needed(dmean, dsd) if variant != "shared" else math.nan,
-            params=p, extra_params=p - pref, overhead_frac=(p - pref) / pref,
-            iter1_dev=max((abs(i["it1"] - j["it1"]) for i, j in paired), default=math.nan),
+            val_std=stats.std(i["final"] for i in infos), diff_mean=dmean, diff_lo=dlo,
+            diff_hi=dhi, diff_sd=dsd, seeds_needed=need if variant != "shared" else math.nan,
+            step_from=up or "", step_mean=step[0], step_lo=step[1], step_hi=step[2],
+            step_seeds_needed=step[4], params=p, extra_params=p - pref,
+            overhead_frac=(p - pref) / pref, iter1_dev=max(it1, default=math.nan),
             wall_s=stats.mean(walls) if walls else math.nan, _infos=infos, _ref=ref))
     order = {v: k for k, v in enumerate(LADDER)}
     rows.sort(key=lambda r: (r["family"], order.get(r["variant"], 99), r["variant"]))
@@ -219,20 +240,31 @@ def write_csv(rows, path):
 MD_HEADER = ("| family | variant | lr | seeds | final val loss (mean ± std) | Δ vs shared "
              "(paired) | 95% CI | seeds to resolve | params | extra params vs shared | "
              "iter-1 loss dev. | s/run |")
+STEP_HEADER = "| family | step | Δ val loss (paired) | 95% CI | seeds to resolve |"
+
+
+def _ci(lo, hi):
+    return f"[{_g(lo, '+.4f')}, {_g(hi, '+.4f')}]" if math.isfinite(lo) else ""
 
 
 def markdown(rows) -> str:
-    lines = [MD_HEADER, "|" + " --- |" * MD_HEADER.count(" | ").__add__(1)]
+    """The main table, then the ladder steps (each rung against the rung below it)."""
+    lines = [MD_HEADER, "|" + " --- |" * (MD_HEADER.count("|") - 1)]
     for r in rows:
-        ci = f"[{_g(r['diff_lo'], '+.4f')}, {_g(r['diff_hi'], '+.4f')}]" \
-            if math.isfinite(r["diff_lo"]) else ""
         lines.append(
             f"| {r['family']} | {r['variant']} | {r['lr']:g} | {r['seeds']} | "
             f"{r['val_mean']:.4f} ± {_g(r['val_std'], '.4f')} | "
-            f"{_g(r['diff_mean'], '+.4f') if r['variant'] != 'shared' else '0'} | {ci} | "
+            f"{_g(r['diff_mean'], '+.4f') if r['variant'] != 'shared' else '0'} | "
+            f"{_ci(r['diff_lo'], r['diff_hi']) if r['variant'] != 'shared' else ''} | "
             f"{_g(r['seeds_needed'], '')} | {_g(r['params'], ',')} | "
             f"{_g(r['extra_params'], '+,')} ({_g(r['overhead_frac'], '+.2e')}) | "
             f"{_g(r['iter1_dev'], '.1e')} | {_g(r['wall_s'], '.0f')} |")
+    lines += ["", STEP_HEADER, "|" + " --- |" * (STEP_HEADER.count("|") - 1)]
+    for r in rows:
+        if r["step_from"] and math.isfinite(r["step_mean"]):
+            lines.append(f"| {r['family']} | {r['step_from']} → {r['variant']} | "
+                         f"{r['step_mean']:+.4f} | {_ci(r['step_lo'], r['step_hi'])} | "
+                         f"{_g(r['step_seeds_needed'], '')} |")
     return "\n".join(lines) + "\n"
 
 
