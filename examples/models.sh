@@ -69,8 +69,8 @@ if [ "$FLAVOUR" = scalevec ]; then
   TRAIN_ARGS=("${COMMON_TRAIN[@]}" --overlap-grad-reduce --distributed-backend nccl)
   # our --load must name an existing checkpoint directory: resume only when there is one
   [ -d "$RUN_DIR/checkpoints" ] && TRAIN_ARGS+=(--load "$RUN_DIR/checkpoints")
-  [ "$FP8" = 1 ] && { echo "our trainer has no FP8 flags: use FLAVOUR=megatron-lm" >&2; exit 2; }
   PRECISION_ARGS=()
+  [ "$FP8" = 1 ] && PRECISION_ARGS=(--transformer-impl transformer_engine --fp8-format hybrid)
 elif [ "$FLAVOUR" = megatron-lm ]; then
   # Megatron-LM core_v0.16.1 pretrain_gpt.py. --spec replaces its layer spec entirely, so the
   # Llama features are given as flags that our block spec reads from the config.

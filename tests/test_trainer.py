@@ -1,6 +1,7 @@
 """The trainer end to end on forked gloo ranks: loss goes down, exact resume, resume at another
 layout, clear errors for bad flags and bad checkpoints, and one real torchrun launch."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -101,7 +102,10 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     (["--scalevec", "hg+banana"], 1, "unknown scale-vector variant 'banana'"),
     (["--spec", "baseline", "--scalevec", "unified"], 1, "--spec baseline"),
     (["--lr-decay-style", "step"], 1, "invalid choice"),
-])
+    (["--fp8-format", "hybrid", "--transformer-impl", "local"], 1, "--fp8-format needs"),
+] + ([] if importlib.util.find_spec("transformer_engine") else [
+    (["--transformer-impl", "transformer_engine"], 1, "needs Transformer Engine installed"),
+]))
 def test_bad_flags_fail_clearly_without_output(tmp_path, flags, world, message):
     run_dir = tmp_path / "run"
     with pytest.raises(ArgumentError, match=message):

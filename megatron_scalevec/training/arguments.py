@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", default=None, choices=("local", "transformer_engine"),
                    help="linear/attention implementation (default: transformer_engine when "
                         "Transformer Engine is installed, else local); FP8 needs TE")
+    g.add_argument("--fp8-format", default=None, choices=("e4m3", "hybrid"),
+                   help="FP8 GEMMs through Transformer Engine (needs --transformer-impl "
+                        "transformer_engine and a Hopper-or-newer GPU)")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon"))
@@ -234,5 +237,7 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     _need(a.transformer_impl == "local" or have_te,
           "--transformer-impl transformer_engine needs Transformer Engine installed "
           "(pip install 'megatron_scalevec[te]'); use --transformer-impl local")
+    _need(a.fp8_format is None or a.transformer_impl == "transformer_engine",
+          "--fp8-format needs --transformer-impl transformer_engine (FP8 comes from TE's GEMMs)")
     a.run_dir = a.run_dir or a.save or os.path.join("runs", a.spec)
     return a

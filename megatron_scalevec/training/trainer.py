@@ -79,7 +79,7 @@ def _transformer_config(args, vocab_size):
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, calculate_per_token_loss=False,
-        transformer_impl=args.transformer_impl, **moe)
+        transformer_impl=args.transformer_impl, fp8=args.fp8_format, **moe)
 
 
 def _layer_spec(args, config, vp_stage):
