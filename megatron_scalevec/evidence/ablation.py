@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="paired seeds 1..N")
     p.add_argument("--moe-seeds", type=int, default=None, help="default: --seeds")
     p.add_argument("--train-iters", type=int, default=250)
-    p.add_argument("--moe-train-iters", type=int, default=None, help="default: --train-iters")
+    p.add_argument("--moe-train-iters", type=int, default=150,
+                   help="MoE runs (each step costs more); 0: --train-iters")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-attention-heads", type=int, default=4)
@@ -54,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="families that get the controls (default: --families)")
     p.add_argument("--trainer-args", default="", help="extra trainer flags, one string")
     p.add_argument("--report-only", action="store_true", help="tables and plots only")
-    p.add_argument("--threads", type=int, default=None, help="OMP threads per run")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="runs at a time (two 1-thread runs beat one 2-thread run on 2 cores)")
     return p
 
 
@@ -280,11 +282,13 @@ def plot(rows, out_dir: str, prefix: str = "ablation") -> list:
     for family in sorted({r["family"] for r in rows}):
         fam = [r for r in rows if r["family"] == family]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for r in fam:
+        cmap = plt.get_cmap("tab20")
+        for k, r in enumerate(fam):
+            style = dict(color=cmap(k % 20), marker=".", label=r["variant"],
+                         ls="-" if r["variant"] in LADDER else "--")  # controls dashed
             curves = [dict(i["curve"]) for i in r["_infos"]]
             its = sorted(set.intersection(*(set(c) for c in curves)))
-            ax1.plot(its, [stats.mean(c[t] for c in curves) for t in its], marker=".",
-                     label=r["variant"])
+            ax1.plot(its, [stats.mean(c[t] for c in curves) for t in its], **style)
             if r["variant"] == "shared":
                 continue
             per_it = []
@@ -295,9 +299,9 @@ def plot(rows, out_dir: str, prefix: str = "ablation") -> list:
                 per_it.append(stats.t_interval(ds) if ds else (math.nan, math.nan))
             m = [x[0] for x in per_it]
             h = [x[1] if math.isfinite(x[1]) else 0.0 for x in per_it]
-            line, = ax2.plot(its, m, marker=".", label=r["variant"])
+            ax2.plot(its, m, **style)
             ax2.fill_between(its, [a - b for a, b in zip(m, h)], [a + b for a, b in zip(m, h)],
-                             color=line.get_color(), alpha=0.12)
+                             color=style["color"], alpha=0.08)
         ax2.axhline(0, color="k", lw=0.8)
         ax1.set_title(f"{family}: validation loss (mean over seeds)")
         ax2.set_title(f"{family}: paired Δ val loss vs shared (95% t-band)")

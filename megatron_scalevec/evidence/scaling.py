@@ -37,7 +37,7 @@ def build_parser():
                    help="LAYERSxHIDDEN; heads = hidden / --head-dim")
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--tokens-per-param", type=float, default=1.0)
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--strategies", nargs=2, default=list(STRATEGIES),
                    metavar=("BASELINE", "CANDIDATE"))
     p.add_argument("--seq-length", type=int, default=128)
@@ -46,11 +46,14 @@ def build_parser():
     p.add_argument("--eval-iters", type=int, default=8)
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="the tokenizer's vocabulary (embedded default: 4096), for the budget")
+    p.add_argument("--fit", choices=("loglinear", "power", "auto"), default="loglinear",
+                   help="primary fit; auto: power law when identified (>= 4 sizes), else "
+                        "log-linear. The other fit is reported too.")
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--trainer-args", default="")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="OMP threads per run")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
+    p.add_argument("--jobs", type=int, default=2, help="runs at a time")
     return p
 
 
@@ -173,7 +176,11 @@ def _points(rows, pick=None):
 def analyse(a, rows, seed=0):
     base, cand = a.strategies
     pts = _points(rows)
-    method, mult, detail = multiplier(pts, base, cand)
+    method, mult, detail = multiplier(pts, base, cand, allow_power=a.fit != "loglinear")
+    if a.fit == "power" and method != "power":
+        print("power-law fit not identified by these points: using log-linear")
+    alt = multiplier(pts, base, cand, allow_power=method != "power")
+    alt = alt if alt[0] != method else None
     rng = random.Random(seed)
     sizes = sorted({r["size"] for r in rows})
     seeds = sorted({r["seed"] for r in rows})
@@ -186,8 +193,19 @@ def analyse(a, rows, seed=0):
     boots.sort()
     lo = boots[int(0.025 * len(boots))] if boots else math.nan
     hi = boots[min(len(boots) - 1, int(0.975 * len(boots)))] if boots else math.nan
+    # residual view: each size's paired gap converted to a multiplier with the common slope;
+    # a t-interval over sizes (in log space) shows how constant the multiplier really is
+    ll = detail if method == "loglinear" else (alt[2] if alt else None)
+    logs = []
+    for z in sizes:
+        by = {(r["strategy"], r["seed"]): r["val_loss"] for r in rows if r["size"] == z}
+        d = [by[(cand, k)] - by[(base, k)] for k in seeds if (cand, k) in by and (base, k) in by]
+        if d and ll and ll[1] > 0:
+            logs.append(-stats.mean(d) / ll[1])
+    m, h = stats.t_interval(logs) if len(logs) > 1 else (math.nan, math.nan)
     return dict(method=method, multiplier=mult, lo=lo, hi=hi, n_boot=len(boots),
-                detail=detail, points=pts)
+                detail=detail, points=pts, alt=alt, size_mult=math.exp(m),
+                size_lo=math.exp(m - h), size_hi=math.exp(m + h), n_sizes=len(logs))
 
 
 def write_tables(a, rows, res, root):
@@ -197,8 +215,11 @@ def write_tables(a, rows, res, root):
         w.writeheader()
         w.writerows(sorted(rows, key=lambda r: (r["strategy"], r["params"], r["seed"])))
     base, cand = a.strategies
-    lines = ["| size | params | tokens | compute (6ND) | " + f"{base} val | {cand} val | "
-             "paired Δ (mean, 95% CI) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    ll = res["detail"] if res["method"] == "loglinear" else (res["alt"] or (0, math.nan))[2]
+    beta = ll[1] if isinstance(ll, tuple) else math.nan
+    lines = [f"| size | params ({cand}) | tokens | compute (6ND) | {base} val | {cand} val | "
+             "paired Δ (mean ± 95% CI half-width) | exp(-Δ/beta) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for size in sorted({r["size"] for r in rows}, key=lambda z: _size(z)[::-1]):
         by = {(r["strategy"], r["seed"]): r for r in rows if r["size"] == size}
         b = [r for (s, _), r in by.items() if s == base]
@@ -212,23 +233,37 @@ def write_tables(a, rows, res, root):
                      f"{stats.mean(r['val_loss'] for r in b):.4f} ± "
                      f"{stats.std(r['val_loss'] for r in b):.4f} | "
                      f"{stats.mean(r['val_loss'] for r in c):.4f} ± "
-                     f"{stats.std(r['val_loss'] for r in c):.4f} | {m:+.4f} ± {h:.4f} |")
-    if res["method"] == "loglinear":
-        alpha, beta, rms = res["detail"]
-        fit = (f"log-linear, common slope: L = alpha - {beta:.4f} ln C; alpha "
-               + ", ".join(f"{k} {v:.4f}" for k, v in alpha.items())
-               + f"; residual RMS {rms:.4f}")
-    else:
-        fit = "power law L = a C^-b + c: " + "; ".join(
-            f"{k}: a={v[0]:.4g}, b={v[1]:.4f}, c={v[2]:.4f}" for k, v in res["detail"].items())
+                     f"{stats.std(r['val_loss'] for r in c):.4f} | {m:+.4f} ± {h:.4f} | "
+                     f"{math.exp(-m / beta):.3f} |")
+    fit = _describe(res["method"], res["detail"])
     lines += ["", f"Fit: {fit}.", "",
               f"Compute multiplier ({base} compute needed to reach {cand}'s loss): "
               f"**{res['multiplier']:.3f}x**, 95% paired-bootstrap interval over seeds "
-              f"[{res['lo']:.3f}, {res['hi']:.3f}] ({res['n_boot']} resamples)."]
+              f"[{res['lo']:.3f}, {res['hi']:.3f}] ({res['n_boot']} resamples).",
+              "", "exp(-Δ/beta): the multiplier one size alone implies under the fitted slope "
+              "(log-linear fit only); its spread over sizes shows how well one constant "
+              "multiplier describes the data, which the seed bootstrap does not. Over the "
+              f"{res['n_sizes']} sizes: geometric mean {res['size_mult']:.3f}x, 95% t-interval "
+              f"[{res['size_lo']:.3f}, {res['size_hi']:.3f}]."]
+    if res["alt"]:
+        m2, mult2, det2 = res["alt"]
+        lines += ["", f"Other fit, for comparison: {_describe(m2, det2)}; multiplier "
+                      f"{mult2:.3f}x (point estimate)."]
     md = "\n".join(lines) + "\n"
     with open(os.path.join(root, "scaling.md"), "w") as f:
         f.write("# Compute-efficiency fit\n\n" + md)
     return md
+
+
+def _describe(method, detail):
+    if method == "loglinear":
+        alpha, beta, rms = detail
+        return (f"log-linear, common slope: L = alpha - {beta:.4f} ln C; alpha "
+                + ", ".join(f"{k} {v:.4f}" for k, v in alpha.items())
+                + f"; residual RMS {rms:.4f}")
+    return "power law L = a C^-b + c (multiplier at the largest C): " + "; ".join(
+        f"{k}: a={v[0]:.4g}, b={v[1]:.4f}, c={v[2]:.4f}, SSE {v[3]:.2e}"
+        for k, v in detail.items())
 
 
 def plot(a, rows, res, path):
