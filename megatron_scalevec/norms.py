@@ -46,6 +46,41 @@ def normalize(x: torch.Tensor, normalization: str, eps: float, group=None,
                      f"got {normalization!r}")
 
 
+def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
+    if sharding.group_size(group) > 1:
+        torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+class _ScaledRMSNorm(torch.autograd.Function):
+    """``gamma * x / rms(x)`` saving only ``x`` and the per-row ``1/rms`` for backward (autograd
+    of the composite keeps two full-size intermediates). The statistics, and the row sum the
+    backward needs, run over the whole logical width when it is split over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, eps, group, n):
+        xf = x.float()
+        rstd = torch.rsqrt(_sum_over(xf.pow(2).sum(-1, keepdim=True), group) / n + eps)
+        ctx.save_for_backward(x, rstd, gamma)
+        ctx.group, ctx.n = group, n
+        y = xf * rstd
+        return (y * gamma if gamma is not None else y).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, gamma = ctx.saved_tensors
+        xhat = x.float() * rstd
+        dy = dy.float()
+        dgamma = None
+        if gamma is not None:
+            if ctx.needs_input_grad[1]:
+                dgamma = (dy * xhat).reshape(-1, xhat.shape[-1]).sum(0)
+            dy = dy * gamma
+        dot = _sum_over((dy * xhat).sum(-1, keepdim=True), ctx.group) / ctx.n
+        dx = rstd * (dy - xhat * dot)
+        return dx.to(x.dtype), dgamma, None, None, None
+
+
 class ScaleVecNorm(ScaleVector):
     """y = gamma * N(x); megatron-core builds it as ``build_module(spec, config=,
     hidden_size=, eps=)``, the strategy arrives through the spec's params."""
@@ -71,8 +106,10 @@ class ScaleVecNorm(ScaleVector):
         normalize(torch.zeros(1, 1), self.normalization, eps)  # validate early
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = normalize(x, self.normalization, self.eps, self.split_group, self.global_size)
         gamma = super().forward()
+        if self.normalization == "RMSNorm":
+            return _ScaledRMSNorm.apply(x, gamma, self.eps, self.split_group, self.global_size)
+        y = normalize(x, self.normalization, self.eps, self.split_group, self.global_size)
         if gamma is not None:
             y = y * gamma
         return y.to(x.dtype)

@@ -39,8 +39,8 @@ def _compare_to_stock(rank, world, strategy, config_kw):
 def test_shared_equals_megatron_core_local_spec():
     res = run_on_ranks(_compare_to_stock, 1, "shared", {})[0]
     assert res["missing"] == [] and res["unexpected"] == []  # same names, key for key
-    assert res["loss"][0] == res["loss"][1]
-    assert res["grad_err"] == 0.0
+    assert res["loss"][0] == res["loss"][1]  # the forward is bit for bit the stock one
+    assert res["grad_err"] < 1e-6  # our RMSNorm backward is hand-written (saves less memory)
 
 
 @pytest.mark.parametrize("strategy", ["hg", "hg+dp", "shared+or", "shared+er", "hg+or",
