@@ -82,7 +82,10 @@ def _transformer_config(args, vocab_size):
         transformer_impl=args.transformer_impl, fp8=args.fp8_format, **moe)
 
 
-def _layer_spec(args, config, vp_stage):
+def _layer_spec(args):
+    """megatron-core's own spec for ``baseline``; otherwise the same lazy block ModuleSpec that
+    Megatron-LM's ``--spec megatron_scalevec.specs scalevec_moe`` imports (sized inside
+    ``specs.building``)."""
     if args.spec == "baseline":
         from megatron.core.models.gpt import gpt_layer_specs  # noqa: PLC0415
 
@@ -93,9 +96,9 @@ def _layer_spec(args, config, vp_stage):
         return gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=args.num_experts, moe_grouped_gemm=False,
             qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    from megatron_scalevec.specs import get_scalevec_block_spec  # noqa: PLC0415
+    from megatron_scalevec.specs import block_module_spec  # noqa: PLC0415
 
-    return get_scalevec_block_spec(config, args.scalevec_config, vp_stage)
+    return block_module_spec(args.scalevec_config)
 
 
 def build_model(args, config, vocab_size):
@@ -108,19 +111,22 @@ def build_model(args, config, vocab_size):
     from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: PLC0415
     from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
 
+    from megatron_scalevec.specs import building  # noqa: PLC0415
+
     vpp = args.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for i in range(vpp):
         vp_stage = i if vpp > 1 else None
-        m = GPTModel(config, _layer_spec(args, config, vp_stage), vocab_size=vocab_size,
-                     max_sequence_length=args.max_position_embeddings,
-                     pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
-                                                            vp_stage=vp_stage),
-                     post_process=ps.is_pipeline_last_stage(ignore_virtual=False,
-                                                            vp_stage=vp_stage),
-                     share_embeddings_and_output_weights=not
-                     args.untie_embeddings_and_output_weights,
-                     position_embedding_type="rope", vp_stage=vp_stage)
+        with building(config, vp_stage):
+            m = GPTModel(config, _layer_spec(args), vocab_size=vocab_size,
+                         max_sequence_length=args.max_position_embeddings,
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
+                                                                vp_stage=vp_stage),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False,
+                                                                vp_stage=vp_stage),
+                         share_embeddings_and_output_weights=not
+                         args.untie_embeddings_and_output_weights,
+                         position_embedding_type="rope", vp_stage=vp_stage)
         if torch.cuda.is_available():
             m.cuda(torch.cuda.current_device())
         if args.bf16:
