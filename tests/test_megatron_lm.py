@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_scalevec import megatron_lm
+from megatron_scalevec.testing import models as M
 from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
 
 LR, WD = 0.5, 0.2
@@ -228,18 +229,11 @@ def _iwd_groups(rank, world, moe):
     OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
                             lr_decay_steps=10, lr_decay_style="constant", start_wd=WD,
                             end_wd=WD, wd_incr_steps=10, wd_incr_style="constant")
-    named = list(ddp.named_parameters())
-    with torch.no_grad():
-        for _, p in named:
-            p.copy_(p.abs() + 0.5)
-    before = {n: p.detach().clone() for n, p in named}
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    opt.step()
+    params = dict(ddp.named_parameters())
+    factors = M.zero_grad_step_factors(ddp, opt)
     bad, decayed_vectors, output_vectors = [], 0, 0
-    for n, p in named:
-        want = 1.0 - LR * _expected_wd(n, p)
-        got = (p.detach() / before[n]).mean().item()
+    for n, got in factors.items():
+        want = 1.0 - LR * _expected_wd(n, params[n])
         if abs(got - want) > 1e-5:
             bad.append(f"{n}: {got:.4f} != {want:.4f}")
         decayed_vectors += bool(INPUT.search(n)) and want < 1.0

@@ -7,9 +7,9 @@ attributes optim.py reads), so a wrong attribute or rule shows up as a mismatch.
 import re
 
 import pytest
-import torch
 
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.testing import models as M
 from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
 
 LR, WD, SVWD = 0.5, 0.2, 0.6  # distinct values: the shrink factor tells which rule applied
@@ -68,18 +68,11 @@ def _build(strategy, tp, ep, moe, svwd, dist_opt):
 def _decay_step(rank, world, strategy, tp, ep, moe, svwd, dist_opt):
     """Zero gradients, one step: Adam's update is 0, so p -> p (1 - lr wd). Returns mismatches."""
     cfg, ddp, opt, lines = _build(strategy, tp, ep, moe, svwd, dist_opt)
-    named = [(n, p) for n, p in ddp.named_parameters()]
-    with torch.no_grad():  # make every value nonzero so any shrink is visible
-        for _, p in named:
-            p.copy_(p.abs() + 0.5)
-    before = {n: p.detach().clone() for n, p in named}
-    ddp.zero_grad_buffer()
-    opt.zero_grad()
-    opt.step()
+    params = dict(ddp.named_parameters())
+    factors = M.zero_grad_step_factors(ddp, opt)
     bad, seen = [], {"input_decayed": 0, "output": 0}
-    for n, p in named:
-        want = 1.0 - LR * expected_decay(n, p, cfg)
-        got = (p.detach() / before[n]).mean().item()
+    for n, got in factors.items():
+        want = 1.0 - LR * expected_decay(n, params[n], cfg)
         if abs(got - want) > 1e-5:
             bad.append(f"{n}: shrink {got:.4f}, expected {want:.4f}")
         if OUTPUT.search(n):

@@ -162,6 +162,21 @@ def run_case(config, strategy, *, dist_opt: bool = False, steps: int = 0,
     return losses
 
 
+@torch.no_grad()
+def zero_grad_step_factors(ddp_model, optimizer) -> dict:
+    """One optimizer step with zero gradients: Adam's update is then 0 and ``p -> p (1 - lr wd)``,
+    so the returned factor per parameter name shows exactly which decay it got. Values are made
+    nonzero first so any shrink is visible."""
+    named = list(ddp_model.named_parameters())
+    for _, p in named:
+        p.copy_(p.abs() + 0.5)
+    before = {n: p.detach().clone() for n, p in named}
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    optimizer.step()
+    return {n: (p.detach() / before[n]).mean().item() for n, p in named}
+
+
 def save_model(model, directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     dist_checkpointing.save(model.sharded_state_dict(), directory)
