@@ -126,15 +126,6 @@ def wrap_optimizer_config(original):
     return get_megatron_optimizer_config
 
 
-def _collective_device():
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def wrap_optimizer_builder(original, log=None):
     """An optimizer builder that remembers the model and prints the decay summary."""
     def builder(config, model_chunks, *args, **kwargs):
@@ -146,9 +137,8 @@ def wrap_optimizer_builder(original, log=None):
             from megatron_scalevec import optim  # noqa: PLC0415
 
             rules = optim.decay_rules(scalevec, config.weight_decay)
-            with _collective_device():  # its all-reduce under NCCL needs a CUDA tensor
-                summary = optim.decay_summary(rules, _state["model"], config.weight_decay,
-                                              scalevec)
+            summary = optim.decay_summary(rules, _state["model"], config.weight_decay,
+                                          scalevec)
             if not dist.is_initialized() or dist.get_rank() == 0:
                 if log is None:
                     print(summary, flush=True)

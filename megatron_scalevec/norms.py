@@ -103,7 +103,9 @@ class ScaleVecNorm(ScaleVector):
         self.kind = kind
         self.eps = eps
         self.normalization = config.normalization
-        normalize(torch.zeros(1, 1), self.normalization, eps)  # validate early
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
+                             f"got {self.normalization!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gamma = super().forward()

@@ -80,6 +80,10 @@ class ScaleVecLinearMixin:
         # the SP group for dense layers.
         in_grad_group = tp_group if (mode == "weight" or is_expert) else seq_group
         for name in names:
+            if in_vec and mode == "activation":
+                # [S, 1]: keeps this branch's rows of a full-width output (built once).
+                mask = torch.tensor([[float(slot == name)] for slot in self.slots])
+                self.register_buffer(f"_slot_mask_{name}", mask, persistent=False)
             if in_vec:
                 self.scale_in[name] = ScaleVector(
                     in_size, scalevec.parameterization, role="input", tp_group=tp_group,
@@ -137,8 +141,7 @@ class ScaleVecLinearMixin:
                 y, bias = call(x * vec().to(x.dtype))
                 shape = y.shape
                 y = y.view(*shape[:-1], self.groups, len(self.slots), self.rows)
-                mask = torch.tensor([s == name for s in self.slots], device=y.device)
-                part = y * mask.view(len(self.slots), 1).to(y.dtype)
+                part = y * getattr(self, f"_slot_mask_{name}").to(y.dtype)
                 out = part if out is None else out + part
             out = out.view(shape)
         if len(self.scale_out) > 0:
