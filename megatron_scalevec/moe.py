@@ -49,6 +49,7 @@ it against a built model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -159,6 +160,15 @@ class ExpertSharedVectors(torch.nn.Module):
             module._modules.pop(name, None)
             object.__setattr__(module, name, target)
 
+    @contextlib.contextmanager
+    def computed_once(self):
+        """Each shared vector computed once per forward for all local experts."""
+        with contextlib.ExitStack() as stack:
+            for vec in self.modules():
+                if isinstance(vec, ScaleVector):
+                    stack.enter_context(vec.computed_once())
+            yield
+
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None,
                            ep_group=None, expt_dp_group=None):
         """Once per layer (no expert axis), replicated over EP x expert DP (and expert TP
@@ -207,6 +217,12 @@ class ScaleVecSequentialMLP(SequentialMLP):
                 tp_ep=tp_ep, ep=self.ep_group, allreduce=getattr(weight, "allreduce", True))
             for expert in self.local_experts:
                 self.shared_vectors.attach(expert)
+
+    def forward(self, *args, **kwargs):
+        if self.shared_vectors is None:
+            return super().forward(*args, **kwargs)
+        with self.shared_vectors.computed_once():
+            return super().forward(*args, **kwargs)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

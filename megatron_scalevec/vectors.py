@@ -15,6 +15,7 @@ Norms and means run over the whole logical vector even when it is split across r
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -78,8 +79,23 @@ class ScaleVector(nn.Module):
             for name, p in self.named_parameters(recurse=False):
                 p.fill_(0.0 if name in ("alpha", "logit") else 1.0)
 
+    _once: Optional[torch.Tensor] = None  # set inside computed_once()
+
+    @contextlib.contextmanager
+    def computed_once(self):
+        """Inside the block every call returns the gamma computed on entry: one autograd node,
+        so a vector used by several modules (shared expert vectors) is transformed and its
+        gradient reduced once per forward, not once per user."""
+        self._once = ScaleVector.forward(self)  # the gamma, also for a norm subclass
+        try:
+            yield
+        finally:
+            self._once = None
+
     def forward(self) -> Optional[torch.Tensor]:
         """The effective gamma [size] (float32), or None when there is no vector."""
+        if self._once is not None:
+            return self._once
         kind = self.parameterization
         if kind is None:
             return None
