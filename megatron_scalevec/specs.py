@@ -20,11 +20,10 @@ from typing import Optional, Union
 
 from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttentionSubmodules
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -38,11 +37,13 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import (
-    ScaleVecColumnParallelLinear,
-    ScaleVecMLP,
-    ScaleVecSelfAttention,
+from megatron_scalevec.layers import ScaleVecMLP, ScaleVecSelfAttention
+from megatron_scalevec.layers.moe import (
+    ScaleVecSequentialMLP,
+    ScaleVecSharedExpertMLP,
+    ScaleVecTopKRouter,
 )
+from megatron_scalevec.layers.parts import linear_modules
 from megatron_scalevec.norms import ScaleVecNorm
 
 StrategyLike = Union[str, ScaleVecConfig]
@@ -69,19 +70,6 @@ def norm_spec(scalevec: StrategyLike, kind: str = "pre") -> ModuleSpec:
     return ModuleSpec(module=ScaleVecNorm, params={"scalevec": as_config(scalevec), "kind": kind})
 
 
-def linear_modules(transformer_impl: str = "local") -> dict:
-    """The swappable linear parts: megatron-core's local ones, or Transformer Engine's (FP8)."""
-    if transformer_impl == "local":
-        return {"column": ScaleVecColumnParallelLinear, "row": RowParallelLinear,
-                "attention": DotProductAttention}
-    if transformer_impl == "transformer_engine":
-        from megatron_scalevec.layers.te import te_modules  # noqa: PLC0415
-
-        return te_modules()
-    raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', "
-                     f"got {transformer_impl!r}")
-
-
 def mlp_spec(scalevec: StrategyLike, transformer_impl: str = "local") -> ModuleSpec:
     cfg = as_config(scalevec)
     parts = linear_modules(transformer_impl)
@@ -102,6 +90,62 @@ def attention_spec(scalevec: StrategyLike, transformer_impl: str = "local") -> M
                                            linear_proj=parts["row"]))
 
 
+def grouped_gemm_available() -> bool:
+    """True when a grouped-GEMM expert backend (Transformer Engine or nv-grouped-gemm) imports."""
+    from megatron.core.transformer.moe import experts, grouped_gemm_util  # noqa: PLC0415
+
+    return bool(getattr(experts, "HAVE_TE", False)) or grouped_gemm_util.grouped_gemm_is_available()
+
+
+def _grouped_experts_spec(cfg: ScaleVecConfig) -> ModuleSpec:
+    """Stock grouped-GEMM experts, allowed only when no expert carries a vector."""
+    if not grouped_gemm_available():
+        raise RuntimeError(
+            "grouped_gemm=True needs Transformer Engine or nv-grouped-gemm, neither imports "
+            "here; use grouped_gemm=False (SequentialMLP experts)")
+    if cfg.hg or cfg.dp or cfg.dnp:
+        raise NotImplementedError(
+            f"per-expert scale vectors ({cfg.to_string()}) are implemented for SequentialMLP "
+            "experts only; grouped-GEMM experts would need them folded into the grouped "
+            "weights: use grouped_gemm=False")
+    from megatron.core.extensions.transformer_engine_spec_provider import (  # noqa: PLC0415
+        TESpecProvider,
+    )
+    from megatron.core.models.backends import LocalSpecProvider  # noqa: PLC0415
+    from megatron.core.transformer.moe import experts  # noqa: PLC0415
+
+    backend = TESpecProvider() if experts.HAVE_TE else LocalSpecProvider()
+    module, submodules = backend.grouped_mlp_modules(True, not experts.HAVE_TE)
+    return ModuleSpec(module=module, submodules=submodules)
+
+
+def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False,
+             transformer_impl: str = "local") -> ModuleSpec:
+    """ModuleSpec of an MoE layer (megatron-core's MoELayer) with the strategy applied.
+
+    Shared experts are built when ``config.moe_shared_expert_intermediate_size`` is set, as in
+    megatron-core; the dispatcher is ``config.moe_token_dispatcher_type``. With
+    ``transformer_impl='transformer_engine'`` the sequential experts use TE's linears.
+    """
+    if not num_experts or num_experts < 1:
+        raise ValueError(f"moe_spec needs num_experts >= 1, got {num_experts!r}")
+    parts = linear_modules(transformer_impl)
+    fc1 = ModuleSpec(module=parts["column"], params={"scalevec": cfg, "branches": "fc1"})
+    mlp = MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["row"])
+    if grouped_gemm:
+        experts = _grouped_experts_spec(cfg)
+    else:
+        experts = ModuleSpec(module=ScaleVecSequentialMLP, params={"scalevec": cfg},
+                             submodules=mlp)
+    shared = ModuleSpec(module=ScaleVecSharedExpertMLP, params={"scalevec": cfg}, submodules=mlp)
+    router = functools.partial(ScaleVecTopKRouter, scalevec=cfg)
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(experts=experts, shared_experts=shared, router=router),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
 def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
                             num_experts: Optional[int] = None,
                             transformer_impl: str = "local", **moe_options) -> ModuleSpec:
@@ -112,8 +156,6 @@ def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
     """
     cfg = as_config(scalevec)
     if num_experts:
-        from megatron_scalevec.moe import moe_spec  # noqa: PLC0415 (MoE is optional here)
-
         mlp = moe_spec(cfg, num_experts=num_experts, transformer_impl=transformer_impl,
                        **moe_options)
     else:

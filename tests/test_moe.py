@@ -301,7 +301,7 @@ def test_router_expert_bias_unchanged_by_gamma_r():
 
 def test_grouped_gemm_is_guarded():
     from megatron_scalevec.config import ScaleVecConfig
-    from megatron_scalevec.moe import grouped_gemm_available, moe_spec
+    from megatron_scalevec.specs import grouped_gemm_available, moe_spec
 
     cfg = ScaleVecConfig.from_string("unified")
     if grouped_gemm_available():
@@ -332,7 +332,7 @@ STRATS = ["unified", "hg", "hg+dp+er", "shared+or", "none"]
 
 def test_parameter_count_formula_and_reference_overhead():
     from megatron_scalevec.config import ScaleVecConfig
-    from megatron_scalevec.moe import moe_model_parameters, moe_new_parameters
+    from megatron_scalevec.layers.moe import moe_model_parameters, moe_new_parameters
 
     stock, new = run_on_ranks(_count, 1, STRATS)[0]
     tiny = moe_model_parameters(vocab=M.VOCAB, **COUNT_SHAPE)["total"]
@@ -354,7 +354,7 @@ def test_parameter_count_formula_and_reference_overhead():
 
 
 # ---------------------------------------------------------------- expert_vectors="shared"
-# One set of expert-side vectors per MoE layer, used by every routed expert (moe.py,
+# One set of expert-side vectors per MoE layer, used by every routed expert (layers/moe.py,
 # ExpertSharedVectors): same checks as above, at the layouts that exercise its reduction.
 def _shared(strategy):
     from megatron_scalevec.config import ScaleVecConfig
@@ -445,7 +445,7 @@ def _keys(rank, world, directory):
 
 
 def test_shared_expert_vectors_parameter_count_and_reference_overhead():
-    from megatron_scalevec.moe import moe_model_parameters, moe_new_parameters
+    from megatron_scalevec.layers.moe import moe_model_parameters, moe_new_parameters
 
     strategies = [_shared(s) for s in ("unified", "hg+dp+er", "hg")]
     _, new = run_on_ranks(_count, 1, strategies)[0]

@@ -1,5 +1,5 @@
-"""Mixture-of-Experts with scale vectors, on megatron-core's MoELayer (wiring plus three
-small subclasses; the per-branch math is the dense one from layers/).
+"""Mixture-of-Experts with scale vectors, on megatron-core's MoELayer (three small subclasses;
+the per-branch math is the dense one from layers/; the ModuleSpec is in specs.py).
 
 The layer follows megatron-core's local MoE spec (router, token dispatcher, experts, optional
 shared experts). The Pre-Norm before it (``pre_mlp_layernorm``, a :class:`ScaleVecNorm`) is
@@ -50,7 +50,6 @@ it against a built model.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
@@ -58,19 +57,17 @@ from megatron.core import parallel_state
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import ScaleVecMLP
+from megatron_scalevec.layers.mlp import ScaleVecMLP
 from megatron_scalevec.norms import ScaleVecNorm
 from megatron_scalevec.vectors import ScaleVector
 
 __all__ = ["ExpertSharedVectors", "ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP",
-           "ScaleVecTopKRouter", "grouped_gemm_available", "moe_new_parameters", "moe_spec"]
+           "ScaleVecTopKRouter", "moe_model_parameters", "moe_new_parameters"]
 
 
 class ScaleVecTopKRouter(TopKRouter):
@@ -257,64 +254,6 @@ class ScaleVecSharedExpertMLP(SharedExpertMLP, _DeferredScaleVecMLP):
                 "fc1/act/fc2 piecewise inside the dispatcher and would skip the DNP norms")
         object.__setattr__(self, "_pending_scalevec", scalevec)
         super().__init__(config, submodules, gate, pg_collection)
-
-
-def grouped_gemm_available() -> bool:
-    """True when a grouped-GEMM expert backend (Transformer Engine or nv-grouped-gemm) imports."""
-    from megatron.core.transformer.moe import experts, grouped_gemm_util  # noqa: PLC0415
-
-    return bool(getattr(experts, "HAVE_TE", False)) or grouped_gemm_util.grouped_gemm_is_available()
-
-
-def _grouped_experts_spec(cfg: ScaleVecConfig) -> ModuleSpec:
-    """Stock grouped-GEMM experts, allowed only when no expert carries a vector."""
-    if not grouped_gemm_available():
-        raise RuntimeError(
-            "grouped_gemm=True needs Transformer Engine or nv-grouped-gemm, neither imports "
-            "here; use grouped_gemm=False (SequentialMLP experts)")
-    if cfg.hg or cfg.dp or cfg.dnp:
-        raise NotImplementedError(
-            f"per-expert scale vectors ({cfg.to_string()}) are implemented for SequentialMLP "
-            "experts only; grouped-GEMM experts would need them folded into the grouped "
-            "weights: use grouped_gemm=False")
-    from megatron.core.extensions.transformer_engine_spec_provider import (  # noqa: PLC0415
-        TESpecProvider,
-    )
-    from megatron.core.models.backends import LocalSpecProvider  # noqa: PLC0415
-    from megatron.core.transformer.moe import experts  # noqa: PLC0415
-
-    backend = TESpecProvider() if experts.HAVE_TE else LocalSpecProvider()
-    module, submodules = backend.grouped_mlp_modules(True, not experts.HAVE_TE)
-    return ModuleSpec(module=module, submodules=submodules)
-
-
-def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False,
-             transformer_impl: str = "local") -> ModuleSpec:
-    """ModuleSpec of an MoE layer (megatron-core's MoELayer) with the strategy applied.
-
-    Shared experts are built when ``config.moe_shared_expert_intermediate_size`` is set, as in
-    megatron-core; the dispatcher is ``config.moe_token_dispatcher_type``. With
-    ``transformer_impl='transformer_engine'`` the sequential experts use TE's linears.
-    """
-    from megatron_scalevec.specs import linear_modules  # noqa: PLC0415 (specs imports us)
-
-    if not num_experts or num_experts < 1:
-        raise ValueError(f"moe_spec needs num_experts >= 1, got {num_experts!r}")
-    parts = linear_modules(transformer_impl)
-    fc1 = ModuleSpec(module=parts["column"], params={"scalevec": cfg, "branches": "fc1"})
-    mlp = MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["row"])
-    if grouped_gemm:
-        experts = _grouped_experts_spec(cfg)
-    else:
-        experts = ModuleSpec(module=ScaleVecSequentialMLP, params={"scalevec": cfg},
-                             submodules=mlp)
-    shared = ModuleSpec(module=ScaleVecSharedExpertMLP, params={"scalevec": cfg}, submodules=mlp)
-    router = functools.partial(ScaleVecTopKRouter, scalevec=cfg)
-    return ModuleSpec(
-        module=MoELayer,
-        submodules=MoESubmodules(experts=experts, shared_experts=shared, router=router),
-        metainfo={"fuse_pre_mlp_layernorm": False},
-    )
 
 
 def moe_new_parameters(cfg: ScaleVecConfig, *, num_layers: int, hidden: int, heads: int,
