@@ -90,33 +90,33 @@ def attention_spec(scalevec: StrategyLike, transformer_impl: str = "local") -> M
                                            linear_proj=parts["row"]))
 
 
-def grouped_gemm_available() -> bool:
-    """True when a grouped-GEMM expert backend (Transformer Engine or nv-grouped-gemm) imports."""
-    from megatron.core.transformer.moe import experts, grouped_gemm_util  # noqa: PLC0415
+def grouped_gemm_available(transformer_impl: str = "local") -> bool:
+    """True when grouped-GEMM experts can be built: torch's grouped_mm (local) or TE."""
+    if transformer_impl == "transformer_engine":
+        from megatron_scalevec.layers.te import HAVE_TE  # noqa: PLC0415
 
-    return bool(getattr(experts, "HAVE_TE", False)) or grouped_gemm_util.grouped_gemm_is_available()
+        return HAVE_TE
+    from megatron_scalevec.layers.grouped import grouped_mm_available  # noqa: PLC0415
+
+    return grouped_mm_available()
 
 
-def _grouped_experts_spec(cfg: ScaleVecConfig) -> ModuleSpec:
-    """Stock grouped-GEMM experts, allowed only when no expert carries a vector."""
-    if not grouped_gemm_available():
+def _grouped_experts_spec(cfg: ScaleVecConfig, mlp: MLPSubmodules,
+                          transformer_impl: str = "local") -> ModuleSpec:
+    """Our grouped experts: torch grouped_mm (local) or TE's GroupedLinear, vectors folded."""
+    if not grouped_gemm_available(transformer_impl):
         raise RuntimeError(
-            "grouped_gemm=True needs Transformer Engine or nv-grouped-gemm, neither imports "
-            "here; use grouped_gemm=False (SequentialMLP experts)")
-    if cfg.hg or cfg.dp or cfg.dnp:
-        raise NotImplementedError(
-            f"per-expert scale vectors ({cfg.to_string()}) are implemented for SequentialMLP "
-            "experts only; grouped-GEMM experts would need them folded into the grouped "
-            "weights: use grouped_gemm=False")
-    from megatron.core.extensions.transformer_engine_spec_provider import (  # noqa: PLC0415
-        TESpecProvider,
-    )
-    from megatron.core.models.backends import LocalSpecProvider  # noqa: PLC0415
-    from megatron.core.transformer.moe import experts  # noqa: PLC0415
+            f"grouped_gemm=True with transformer_impl={transformer_impl!r} needs "
+            + ("Transformer Engine" if transformer_impl == "transformer_engine"
+               else "torch.nn.functional.grouped_mm (torch >= 2.8)")
+            + "; use grouped_gemm=False (sequential experts)")
+    if transformer_impl == "transformer_engine":
+        from megatron_scalevec.layers.te import te_grouped_experts_spec  # noqa: PLC0415
 
-    backend = TESpecProvider() if experts.HAVE_TE else LocalSpecProvider()
-    module, submodules = backend.grouped_mlp_modules(True, not experts.HAVE_TE)
-    return ModuleSpec(module=module, submodules=submodules)
+        return te_grouped_experts_spec(cfg)
+    from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP  # noqa: PLC0415
+
+    return ModuleSpec(module=ScaleVecGroupedMLP, params={"scalevec": cfg}, submodules=mlp)
 
 
 def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False,
@@ -133,7 +133,7 @@ def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False,
     fc1 = ModuleSpec(module=parts["column"], params={"scalevec": cfg, "branches": "fc1"})
     mlp = MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["row"])
     if grouped_gemm:
-        experts = _grouped_experts_spec(cfg)
+        experts = _grouped_experts_spec(cfg, mlp, transformer_impl)
     else:
         experts = ModuleSpec(module=ScaleVecSequentialMLP, params={"scalevec": cfg},
                              submodules=mlp)

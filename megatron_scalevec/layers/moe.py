@@ -190,9 +190,11 @@ class ScaleVecSequentialMLP(SequentialMLP):
     ``expert_vectors='shared'`` the experts use ``shared_vectors`` (:class:`ExpertSharedVectors`).
     """
 
+    _grouped = False  # True for layers/grouped.py's subclass (same experts, grouped GEMMs)
+
     def __init__(self, num_local_experts, config, submodules: MLPSubmodules,
                  pg_collection=None, *, scalevec: ScaleVecConfig):
-        if config.moe_grouped_gemm:
+        if config.moe_grouped_gemm and not self._grouped:
             raise ValueError("config.moe_grouped_gemm=True, but this MoE spec was built with "
                              "sequential experts: build it with moe_spec(..., grouped_gemm=True)")
         super().__init__(0, config, submodules, pg_collection=pg_collection)

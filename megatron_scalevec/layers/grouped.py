@@ -1,0 +1,209 @@
+"""Grouped-GEMM experts without Transformer Engine, on ``torch.nn.functional.grouped_mm``.
+
+:class:`ScaleVecGroupedMLP` holds exactly the experts of :class:`ScaleVecSequentialMLP` (same
+modules, parameters, names, init and ``sharded_state_dict``), so a checkpoint, an optimizer
+rule or a converter sees no difference; only ``forward`` changes. Per forward:
+
+* the fc1 weights of the local experts are stacked and every expert's vectors folded in one
+  batched operation: ``W1_eff[e] = diag(a^e) W1[e] diag(gamma^e)`` per slot (gate / up), the
+  OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`);
+* ``h = grouped_mm(x, W1_eff)`` over the tokens sorted by expert (``offs`` = cumulative ends);
+* DNP: the scale-free norm over each token's FFN width (all-reduced over expert TP when split),
+  then the token's expert's output vector, gathered per row;
+* GLU, the router probabilities, ``out = grouped_mm(h, W2)``.
+
+The expert linears are local GEMMs (the dispatcher does the expert-TP / EP communication), so
+this is the same computation as the per-expert loop, in two GEMMs. megatron-core 0.16.1 has
+no grouped experts without TE or nv-grouped-gemm, so the ``stock`` baseline stays sequential.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from megatron_scalevec import sharding
+from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
+from megatron_scalevec.norms import normalize
+from megatron_scalevec.vectors import ScaleVector
+
+__all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_gamma"]
+
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
+    torch, "_grouped_mm", None)
+
+
+def grouped_mm_available() -> bool:
+    """True when this torch has a grouped GEMM (public in 2.13, ``torch._grouped_mm`` 2.8+)."""
+    return _GROUPED_MM is not None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
+    refuses expanded (stride-0) gradients such as that of ``out.sum()``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e] @ weight[e].T`` for every group e. x [T, in], weight [E, out, in],
+    offs [E] int32 cumulative row ends (offs[-1] == T)."""
+    out = _GROUPED_MM(x.contiguous(), weight.transpose(-2, -1), offs=offs)
+    return _ContiguousGrad.apply(out)
+
+
+def stacked_gamma(vectors: list) -> Optional[torch.Tensor]:
+    """[E, m] float32: ``ScaleVector.forward()`` of E alike vectors (one per expert) computed
+    as one batched operation, with the same split statistics and gradient reduction. One
+    vector object used E times (``expert_vectors='shared'``) is computed once and expanded."""
+    v0 = vectors[0]
+    if not v0.enabled:
+        return None
+    if all(v is v0 for v in vectors):
+        return ScaleVector.forward(v0).expand(len(vectors), -1)  # a norm's gamma too
+    kind = v0.parameterization
+
+    def stack(part):
+        return torch.stack([getattr(v, part) for v in vectors]).float()
+
+    if kind == "plain":
+        gamma = stack("weight")
+    elif kind == "or":
+        u = stack("direction")  # [E, m]
+        sq = sharding.all_reduce_sum(u.pow(2).sum(-1, keepdim=True), v0.split_group)
+        beta = sharding.reduce_grad(stack("magnitude"), v0.split_group)  # [E, 1]
+        gamma = beta * u * torch.rsqrt(sq / v0.global_size)
+    else:
+        v = stack("logit")
+        mean = sharding.all_reduce_sum(v.sum(-1, keepdim=True), v0.split_group) / v0.global_size
+        alpha = sharding.reduce_grad(stack("alpha"), v0.split_group)
+        gamma = torch.exp(alpha + v - mean)
+    return sharding.reduce_grad(gamma, v0.grad_group)
+
+
+def _slot_stack(fc1, vectors_of, width: int) -> Optional[torch.Tensor]:
+    """[E, S, width]: each expert's vector per slot of fc1 (ones where a branch has none)."""
+    names = list(vectors_of(fc1))
+    if not names:
+        return None
+    per_branch = {n: stacked_gamma([vectors_of(e)[n] for e in fc1.experts]) for n in names}
+    ref = next(iter(per_branch.values()))
+    ones = ref.new_ones(ref.shape[0], width)
+    return torch.stack([per_branch.get(n, ones) for n in fc1.slots], dim=1)
+
+
+class _Fc1View:
+    """The layout of the experts' fc1 (alike across experts), and the experts themselves."""
+
+    def __init__(self, experts):
+        self.experts = [e.linear_fc1 for e in experts]
+        first = self.experts[0]
+        self.groups, self.slots, self.rows = first.groups, first.slots, first.rows
+
+    def __getattr__(self, name):
+        return getattr(self.experts[0], name)
+
+
+class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
+    """The local experts of ScaleVecSequentialMLP run as two grouped GEMMs (see module doc)."""
+
+    _grouped = True
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, *, scalevec):
+        if not grouped_mm_available():
+            raise RuntimeError(f"grouped experts need torch.nn.functional.grouped_mm (torch "
+                               f">= 2.8), this is torch {torch.__version__}")
+        for flag in ("fp8", "fp4", "use_te_activation_func", "moe_latent_size"):
+            if getattr(config, flag, None):
+                raise NotImplementedError(f"grouped experts without TE do not support "
+                                          f"config.{flag}; use transformer_impl="
+                                          f"'transformer_engine' or grouped_gemm=False")
+        super().__init__(num_local_experts, config, submodules, pg_collection,
+                         scalevec=scalevec)
+        align = 16 // self.config.params_dtype.itemsize
+        ffn = self.config.moe_ffn_hidden_size // sharding.group_size(self.tp_group)
+        if self.config.hidden_size % align or ffn % align:
+            raise ValueError(
+                f"grouped experts: hidden_size {self.config.hidden_size} and the local expert "
+                f"FFN width {ffn} must be multiples of {align} ({self.config.params_dtype}, "
+                f"16-byte aligned rows for grouped_mm); use grouped_gemm=False")
+
+    def _fc1_weight(self) -> torch.Tensor:
+        """[E, out, in]: the stacked fc1 weights with every expert's vectors folded in."""
+        fc1 = _Fc1View(self.local_experts)
+        w = torch.stack([f.weight for f in fc1.experts])  # [E, out, in]
+        if not fc1.has_scale_vectors:
+            return w
+        col = _slot_stack(fc1, lambda m: m.scale_in, w.shape[-1])  # [E, S, in]
+        row = _slot_stack(fc1, lambda m: m.scale_out, fc1.rows)  # [E, S, r]
+        if row is not None and col is not None:
+            scale = row[..., None] * col[:, :, None, :]
+        elif col is not None:
+            scale = col[:, :, None, :]
+        else:
+            scale = row[..., None]
+        e, s = w.shape[0], len(fc1.slots)
+        folded = w.view(e, fc1.groups, s, fc1.rows, w.shape[-1]) * scale[:, None].to(w.dtype)
+        return folded.view_as(w)
+
+    def _dnp(self, h: torch.Tensor, norms: list, ids: torch.Tensor) -> torch.Tensor:
+        """Each row normalized over its expert's FFN width, times that expert's vector."""
+        n0 = norms[0]
+        y = normalize(h, n0.normalization, n0.eps, n0.split_group, n0.global_size)
+        gamma = stacked_gamma(norms)  # [E, f]
+        return (y * gamma.index_select(0, ids)).to(h.dtype)
+
+    def _activation(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        experts, cfg = self.local_experts, self.config
+        if experts[0].up_norm is not None:  # DNP, as ScaleVecMLP.forward
+            if cfg.gated_linear_unit:
+                gate, up = torch.chunk(h, 2, dim=-1)
+                return cfg.activation_func(self._dnp(gate, [e.gate_norm for e in experts], ids)) \
+                    * self._dnp(up, [e.up_norm for e in experts], ids)
+            return cfg.activation_func(self._dnp(h, [e.up_norm for e in experts], ids))
+        if not cfg.gated_linear_unit:  # as megatron-core's MLP.forward (unfused)
+            return cfg.activation_func(h)
+        gate, up = torch.chunk(h, 2, dim=-1)
+        if (val := cfg.activation_func_clamp_value) is not None:
+            gate, up = gate.clamp(min=None, max=val), up.clamp(min=-val, max=val)
+        return cfg.activation_func(gate) * (up + cfg.glu_linear_offset)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x, probs = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        counts = [int(c) for c in torch.as_tensor(tokens_per_expert).tolist()]
+        if len(counts) != self.num_local_experts or sum(counts) != x.shape[0]:
+            raise ValueError(f"tokens_per_expert {counts} does not cover the {x.shape[0]} "
+                             f"rows of {self.num_local_experts} local experts")
+        ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs = ends.to(x.device)
+        ids = torch.repeat_interleave(
+            torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device),
+            output_size=x.shape[0])
+        experts = self.local_experts
+        with self.shared_vectors.computed_once() if self.shared_vectors is not None \
+                else contextlib.nullcontext():
+            h = grouped_linear(x, self._fc1_weight(), offs)  # [T, G*S*r]
+            if experts[0].linear_fc1.bias is not None:
+                h = h + torch.stack([e.linear_fc1.bias for e in experts]).index_select(0, ids)
+            h = self._activation(h, ids)
+        h = (h * probs.unsqueeze(-1)).to(h.dtype)
+        w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, h, f]
+        out = grouped_linear(h, w2, offs)
+        if experts[0].linear_fc2.bias is not None:
+            b2 = torch.stack([e.linear_fc2.bias for e in experts]).index_select(0, ids)
+            out = out + b2 * probs.unsqueeze(-1)
+        return out, None
+
