@@ -75,9 +75,16 @@ def run(args) -> list:
     data = M.batches(args.micro_batches, args.micro_batch_size)
     if cuda:
         data = [{k: v.cuda() for k, v in b.items()} for b in data]
+    import copy
+
+    grouped = copy.deepcopy(config)  # --grouped-gemm: our grouped experts (stock has none)
+    grouped.moe_grouped_gemm = True
+    builds = [(name, config) for name in args.variants]
+    if args.grouped_gemm and args.num_experts:
+        builds += [(f"{n}/grouped", grouped) for n in args.variants if n != "stock"]
     rows = []
-    for name in args.variants:
-        model = M.build_gpt(config, parse_variant(name))
+    for name, cfg in builds:
+        model = M.build_gpt(cfg, parse_variant(name.removesuffix("/grouped")))
         if cuda:
             model = model.cuda()
         if args.bf16:
@@ -90,18 +97,18 @@ def run(args) -> list:
             lambda m=model, b=b: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
         ddp = M.wrap_ddp(model, config)
         opt = M.make_optimizer(ddp, lr=1e-4)
-        rows.append(dict(name=name, model=model, ddp=ddp, opt=opt, params=n_params, act=act,
-                         state=_state_bytes(model), times=[], peak=None))
+        rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
+                         act=act, state=_state_bytes(model), times=[], peak=None))
     for _ in range(args.warmup):
         for r in rows:
-            M.train_steps(r["ddp"], config, data, 1, r["opt"])
+            M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
     for _ in range(args.repeats):
         for r in rows:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            M.train_steps(r["ddp"], config, data, 1, r["opt"])
+            M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
             if cuda:
                 torch.cuda.synchronize()
                 r["peak"] = torch.cuda.max_memory_allocated()
@@ -145,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn-hidden-size", type=int, default=704)
     p.add_argument("--num-experts", type=int, default=0)
     p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--grouped-gemm", action="store_true",
+                   help="MoE: also run every variant but stock with grouped-GEMM experts "
+                        "(rows 'VARIANT/grouped'; the others use sequential experts)")
     p.add_argument("--seq-length", type=int, default=256)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=4)

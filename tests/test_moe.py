@@ -299,17 +299,15 @@ def test_router_expert_bias_unchanged_by_gamma_r():
     assert (stock_bias == our_bias).all()
 
 
-def test_grouped_gemm_is_guarded():
+def test_grouped_gemm_spec():
+    """grouped_gemm=True builds our grouped experts (tests/test_grouped.py checks them)."""
     from megatron_scalevec.config import ScaleVecConfig
-    from megatron_scalevec.specs import grouped_gemm_available, moe_spec
+    from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP
+    from megatron_scalevec.specs import moe_spec
 
     cfg = ScaleVecConfig.from_string("unified")
-    if grouped_gemm_available():
-        with pytest.raises(NotImplementedError, match="SequentialMLP"):
-            moe_spec(cfg, num_experts=4, grouped_gemm=True)
-    else:
-        with pytest.raises(RuntimeError, match="Transformer Engine or nv-grouped-gemm"):
-            moe_spec(cfg, num_experts=4, grouped_gemm=True)
+    assert moe_spec(cfg, num_experts=4, grouped_gemm=True).submodules.experts.module \
+        is ScaleVecGroupedMLP
     with pytest.raises(ValueError, match="num_experts"):
         moe_spec(cfg, num_experts=0)
 

@@ -100,6 +100,81 @@ def _slot_stack(fc1, vectors_of, width: int) -> Optional[torch.Tensor]:
     return torch.stack([per_branch.get(n, ones) for n in fc1.slots], dim=1)
 
 
+def _fold_scale(col, row, dtype):
+    """[E, 1, S, r|1, in|1]: ``a_slot[r] * gamma_slot[in]`` per expert, as effective_weight."""
+    if row is not None and col is not None:
+        scale = row[..., None] * col[:, :, None, :]
+    elif col is not None:
+        scale = col[:, :, None, :]
+    else:
+        scale = row[..., None]
+    return scale[:, None].to(dtype)
+
+
+class _StackedFold(torch.autograd.Function):
+    """``stack(W)[e] * (a^e x gamma^e)`` per slot, for all experts at once. Keeps only the
+    small vectors for backward (the weights are the parameters themselves): the stacked and
+    the folded weights are rebuilt there, never kept per micro-batch."""
+
+    @staticmethod
+    def forward(ctx, col, row, groups, *weights):
+        w = torch.stack(weights)  # [E, out, in]
+        e, out, width = w.shape
+        s = (col if col is not None else row).shape[1]
+        ctx.layout = (groups, s, out // (groups * s), width)
+        ctx.save_for_backward(col, row, *weights)
+        shape = (e, groups, s, out // (groups * s), width)
+        return (w.view(shape) * _fold_scale(col, row, w.dtype)).view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        col, row, *weights = ctx.saved_tensors
+        groups, s, r, width = ctx.layout
+        d = grad.reshape(len(weights), groups, s, r, width)
+        dw = (d * _fold_scale(col, row, d.dtype)).view_as(grad)
+        dcol = drow = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            t = (d * torch.stack(weights).view_as(d)).float().sum(1)  # [E, S, r, in]
+            if col is not None and ctx.needs_input_grad[0]:
+                dcol = (t * row[..., None]).sum(2) if row is not None else t.sum(2)
+            if row is not None and ctx.needs_input_grad[1]:
+                drow = (t * col[:, :, None, :]).sum(3) if col is not None else t.sum(3)
+        return (dcol, drow, None, *dw.unbind(0))
+
+
+def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
+    if sharding.group_size(group) > 1:
+        torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+class _RowScaledRMSNorm(torch.autograd.Function):
+    """``gamma[ids[t]] * x[t] / rms(x[t])``: DNP's norm with each row scaled by its expert's
+    vector; saves ``x``, the per-row ``1/rms`` and the small [E, f] gamma (as norms.py's
+    scaled RMSNorm). Statistics over the whole width when it is split over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, gamma, ids, eps, group, n):
+        xf = x.float()
+        rstd = torch.rsqrt(_sum_over(xf.pow(2).sum(-1, keepdim=True), group) / n + eps)
+        ctx.save_for_backward(x, rstd, gamma, ids)
+        ctx.group, ctx.n = group, n
+        return (xf * rstd * gamma.index_select(0, ids)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, gamma, ids = ctx.saved_tensors
+        xhat = x.float() * rstd
+        dy = dy.float()
+        dgamma = None
+        if ctx.needs_input_grad[1]:
+            dgamma = torch.zeros_like(gamma).index_add_(0, ids, dy * xhat)
+        dy = dy * gamma.index_select(0, ids)
+        dot = _sum_over((dy * xhat).sum(-1, keepdim=True), ctx.group) / ctx.n
+        dx = rstd * (dy - xhat * dot)
+        return dx.to(x.dtype), dgamma, None, None, None, None
+
+
 class _Fc1View:
     """The layout of the experts' fc1 (alike across experts), and the experts themselves."""
 
@@ -139,26 +214,21 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
     def _fc1_weight(self) -> torch.Tensor:
         """[E, out, in]: the stacked fc1 weights with every expert's vectors folded in."""
         fc1 = _Fc1View(self.local_experts)
-        w = torch.stack([f.weight for f in fc1.experts])  # [E, out, in]
+        weights = [f.weight for f in fc1.experts]
         if not fc1.has_scale_vectors:
-            return w
-        col = _slot_stack(fc1, lambda m: m.scale_in, w.shape[-1])  # [E, S, in]
+            return torch.stack(weights)
+        col = _slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1])  # [E, S, in]
         row = _slot_stack(fc1, lambda m: m.scale_out, fc1.rows)  # [E, S, r]
-        if row is not None and col is not None:
-            scale = row[..., None] * col[:, :, None, :]
-        elif col is not None:
-            scale = col[:, :, None, :]
-        else:
-            scale = row[..., None]
-        e, s = w.shape[0], len(fc1.slots)
-        folded = w.view(e, fc1.groups, s, fc1.rows, w.shape[-1]) * scale[:, None].to(w.dtype)
-        return folded.view_as(w)
+        return _StackedFold.apply(col, row, fc1.groups, *weights)
 
     def _dnp(self, h: torch.Tensor, norms: list, ids: torch.Tensor) -> torch.Tensor:
         """Each row normalized over its expert's FFN width, times that expert's vector."""
         n0 = norms[0]
-        y = normalize(h, n0.normalization, n0.eps, n0.split_group, n0.global_size)
         gamma = stacked_gamma(norms)  # [E, f]
+        if n0.normalization == "RMSNorm":
+            return _RowScaledRMSNorm.apply(h, gamma, ids, n0.eps, n0.split_group,
+                                           n0.global_size)
+        y = normalize(h, n0.normalization, n0.eps, n0.split_group, n0.global_size)
         return (y * gamma.index_select(0, ids)).to(h.dtype)
 
     def _activation(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
