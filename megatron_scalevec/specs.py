@@ -73,7 +73,8 @@ def norm_spec(scalevec: StrategyLike, kind: str = "pre") -> ModuleSpec:
 def mlp_spec(scalevec: StrategyLike, transformer_impl: str = "local") -> ModuleSpec:
     cfg = as_config(scalevec)
     parts = linear_modules(transformer_impl)
-    fc1 = ModuleSpec(module=parts["column"], params={"scalevec": cfg, "branches": "fc1"})
+    fc1 = ModuleSpec(module=parts.get("ln_column", parts["column"]),  # TE: norm fused in fc1
+                     params={"scalevec": cfg, "branches": "fc1"})
     return ModuleSpec(module=ScaleVecMLP, params={"scalevec": cfg},
                       submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["row"]))
 
@@ -82,7 +83,8 @@ def attention_spec(scalevec: StrategyLike, transformer_impl: str = "local") -> M
     cfg = as_config(scalevec)
     parts = linear_modules(transformer_impl)
     # SelfAttention calls its linear_qkv builder directly (no build_module): a partial.
-    qkv = functools.partial(parts["column"], scalevec=cfg, branches="qkv")
+    qkv = functools.partial(parts.get("ln_column", parts["column"]), scalevec=cfg,
+                            branches="qkv")  # TE: the input norm fused in linear_qkv
     return ModuleSpec(
         module=ScaleVecSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal, "scalevec": cfg},
@@ -151,10 +153,18 @@ def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
                             transformer_impl: str = "local", **moe_options) -> ModuleSpec:
     """A GPT layer with the strategy applied; MoE when ``num_experts`` is given.
 
-    ``transformer_impl='transformer_engine'`` swaps in TE's linears and attention (FP8
-    capable); the vectors then act on activations. Norms are always ours.
+    ``transformer_impl='transformer_engine'``: megatron-core's TE layout (layers/te.py): the
+    Pre-Norms fused into ``linear_qkv`` / dense ``linear_fc1``, vectors folded into TE weights,
+    the MoE pre-norm a TE norm; otherwise our norms.
     """
     cfg = as_config(scalevec)
+    te = transformer_impl == "transformer_engine"
+    pre = norm_spec(cfg, "pre")
+    if te:
+        from megatron.core.transformer.identity_op import IdentityOp  # noqa: PLC0415
+
+        moe_norm = ModuleSpec(module=linear_modules(transformer_impl)["norm"],
+                              params={"scalevec": cfg})
     if num_experts:
         mlp = moe_spec(cfg, num_experts=num_experts, transformer_impl=transformer_impl,
                        **moe_options)
@@ -163,10 +173,10 @@ def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=norm_spec(cfg, "pre"),
+            input_layernorm=IdentityOp if te else pre,
             self_attention=attention_spec(cfg, transformer_impl),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=norm_spec(cfg, "pre"),
+            pre_mlp_layernorm=(moe_norm if num_experts else IdentityOp) if te else pre,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
