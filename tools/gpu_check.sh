@@ -1,25 +1,64 @@
 #!/usr/bin/env bash
-# GPU check (one prepared script for a lent H200/H100; no Transformer Engine there):
-#   1. the equality tests on CUDA tensors are not needed (they are device-free); instead
-#   2. the overhead table in bf16 on a 1B-class layer stack, each variant vs stock megatron-core.
-# Needs megatron-core's wheel carried in .whl/ (see the device tool's README):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .whl megatron-core==0.16.1
+# GPU check: one prepared run of at most 8 minutes on one H200 (Python 3.12, torch 2.11 CUDA 13,
+# no megatron-core or Transformer Engine preinstalled; TE is not used):
+#   1. grouped-GEMM experts equal sequential experts on CUDA (bf16; tools/grouped_check.py);
+#   2. the overhead table in bf16 on a 1B-class dense stack, each variant vs stock megatron-core
+#      and vs our `shared` (step time, saved activations, torch.cuda.max_memory_allocated);
+#   3. the same on a fine-grained MoE (64 experts of width 384, top-8), sequential and grouped
+#      experts (rows VARIANT/grouped; stock has no grouped experts without TE).
+# megatron-core's cp312 wheel must be carried in .whl/ (device tool README: carry [".whl"]):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl megatron-core==0.16.1
+# Run: bash tools/gpu_check.sh   (results in $OUT, default /tmp/out; record them in docs/RESULTS.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
+if ! ls .whl/megatron_core-*.whl >/dev/null 2>&1; then
+  echo "gpu_check: no megatron-core wheel in .whl/ (see the header of this script)" >&2
+  exit 2
 fi
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-# 1B-class dense stack (Llama-like: h=2048, 16 heads, 4 KV groups, ffn 5632), 4 layers, bf16.
-python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 --hidden-size 2048 \
-  --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 5632 --seq-length 2048 \
-  --micro-batch-size 4 --vocab 32000 --warmup 5 --repeats 20 | tee "$OUT/bench_dense_gpu.md"
-# MoE stack (64 experts of width 384, top-8 is the paper-like shape; top-2 here), bf16.
-python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 --hidden-size 1024 \
-  --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 768 --num-experts 16 \
-  --topk 2 --seq-length 2048 --micro-batch-size 4 --vocab 32000 --warmup 5 --repeats 20 \
-  --variants stock shared hg hg+dnp unified | tee "$OUT/bench_moe_gpu.md"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'mcore', \
+m.__version__)" | tee -a "$OUT/gpu.txt"
+
+# Adds "vs shared" columns (step time, peak memory) to a bench table whose baseline is stock.
+vs_shared() {
+  awk -F'|' '
+    /^\| / && $2 !~ /variant|---/ { n++; name[n]=$2; med[n]=$5+0; peak[n]=$11+0; line[n]=$0 }
+    { if (!/^\|/) print }
+    END {
+      for (i = 1; i <= n; i++) if (name[i] ~ /^ shared $/) { s = med[i]; p = peak[i] }
+      print "| variant | step ms | time vs stock | time vs shared | peak vs stock | peak vs shared |"
+      print "|---|---|---|---|---|---|"
+      for (i = 1; i <= n; i++) {
+        split(line[i], f, "|")
+        printf "|%s| %.1f |%s| %.3f |%s| %s |\n", name[i], med[i], f[7], med[i] / s, f[11],
+               (p > 0 && peak[i] > 0) ? sprintf("%.3f", peak[i] / p) : "n/a"
+      }
+    }'
+}
+
+# 1. equality of the grouped experts on CUDA (bf16 GEMMs: tolerance 5e-2 relative).
+timeout 100 python3 tools/grouped_check.py --device cuda --bf16 --experts 16 \
+  2>&1 | tee "$OUT/grouped_check.txt"
+
+VARIANTS="stock shared hg hg+dnp unified"
+# 2. 1B-class dense layers (Llama-like: h=2048, 16 heads, 4 KV groups, ffn 5632), 4 of them.
+timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 \
+  --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 5632 \
+  --seq-length 2048 --micro-batch-size 2 --micro-batches 2 --vocab 32000 --warmup 3 \
+  --repeats 10 --variants $VARIANTS --baseline stock 2>&1 | tee "$OUT/bench_dense.md"
+vs_shared < "$OUT/bench_dense.md" | tee "$OUT/bench_dense_vs_shared.md"
+
+# 3. fine-grained MoE: 64 experts, top-8, expert width 3072 / 8 = 384; grouped rows too.
+timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 \
+  --hidden-size 1024 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 3072 \
+  --num-experts 64 --topk 8 --grouped-gemm --seq-length 2048 --micro-batch-size 2 \
+  --micro-batches 2 --vocab 32000 --warmup 3 --repeats 10 --variants $VARIANTS \
+  --baseline stock 2>&1 | tee "$OUT/bench_moe.md"
+vs_shared < "$OUT/bench_moe.md" | tee "$OUT/bench_moe_vs_shared.md"
