@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_scalevec.evidence import ablation, runner, scaling, stats
+from megatron_scalevec.evidence import ablation, compare, runner, scaling, stats, tuned, tuning
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
         "--seq-length", "32", "--micro-batch-size", "2", "--eval-iters", "1"]
@@ -17,7 +17,8 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
 
 def test_ablation_sweep_end_to_end_and_resume(tmp_path):
     out = str(tmp_path / "abl")
-    argv = ["--out", out, "--families", "dense", "--strategies", "shared", "hg", "--seeds", "2",
+    argv = ["--out", out, "--fixed-lr", "--families", "dense", "--strategies", "shared", "hg",
+            "--seeds", "2",
             "--train-iters", "4", "--eval-interval", "2", "--lr-sweep", "--no-width-matched",
             *TINY]
     rows = ablation.main(argv)
@@ -90,7 +91,8 @@ def _fake_run(d, iters, loss, params):
 
 def test_scaling_report_on_recorded_runs(tmp_path):
     out = str(tmp_path / "sc")
-    argv = ["--out", out, "--sizes", "1x16", "2x32", "--seeds", "2", "--bootstrap", "50"]
+    argv = ["--out", out, "--sizes", "1x16", "2x32", "--seeds", "2", "--bootstrap", "50",
+            "--fixed-lr"]
     a = scaling.build_parser().parse_args(argv)
     for r in scaling.runs_for(a):
         n = scaling.approx_params(*scaling._size(r.labels["size"]), 4096)
@@ -105,3 +107,156 @@ def test_scaling_report_on_recorded_runs(tmp_path):
     with open(os.path.join(out, "scaling.csv")) as f:
         assert len(list(csv.DictReader(f))) == 8
     assert open(os.path.join(out, "scaling.png"), "rb").read(4) == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------- tuning logic
+def test_lr_grid_and_extension():
+    assert tuning.lr_grid(3e-3, 5) == [7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2]
+    assert tuning.lr_grid(3e-3, 2) == [3e-3, 6e-3] and tuning.lr_grid(1e-3, 1) == [1e-3]
+    assert tuning.lr_grid(6e-3, 3, factor=2) == [3e-3, 6e-3, 1.2e-2]
+    assert tuning.extend([3e-3, 6e-3], "high") == [3e-3, 6e-3, 1.2e-2]
+    assert tuning.extend([3e-3, 6e-3], "low") == [1.5e-3, 3e-3, 6e-3]
+    with pytest.raises(ValueError, match="factor > 1"):
+        tuning.lr_grid(3e-3, 3, factor=1.0)
+
+
+def test_best_lr_and_edge():
+    assert tuning.best_lr({1e-3: [5.0], 2e-3: [4.8, 4.9], 4e-3: [5.1]}) == (2e-3, "")
+    assert tuning.best_lr({1e-3: [4.0], 2e-3: [4.8], 4e-3: [5.1]}) == (1e-3, "low")
+    assert tuning.best_lr({1e-3: [5.0], 2e-3: [4.8], 4e-3: [4.1]}) == (4e-3, "high")
+    # a diverged run (nan) never wins; ties go to the smaller LR
+    assert tuning.best_lr({1e-3: [5.0], 2e-3: [4.8], 4e-3: [math.nan]}) == (2e-3, "")
+    assert tuning.best_lr({1e-3: [5.0], 2e-3: [4.8], 4e-3: [4.8]}) == (2e-3, "")
+    assert tuning.best_lr({1e-3: [5.0]}) == (1e-3, "only")
+
+
+def test_strongest_baseline_and_seeds_needed():
+    assert tuning.strongest({"shared": 5.1, "shared+qknorm": 5.05, "stock": math.nan}) \
+        == "shared+qknorm"
+    with pytest.raises(ValueError, match="no baseline"):
+        tuning.strongest({"stock": math.nan})
+    need = tuning.seeds_for_effects(0.05)
+    for e, n in need.items():  # the smallest n whose 95% half-width is below the effect
+        assert stats.t975(n - 1) * 0.05 / math.sqrt(n) < e
+        assert stats.t975(n - 2) * 0.05 / math.sqrt(n - 1) >= e
+    assert need[0.02] > need[0.03] > 2
+    assert math.isnan(tuning.seeds_for_effects(math.nan)[0.02])
+
+
+def _tuned_args(out, *extra):
+    return ablation.finish_args(ablation.build_parser().parse_args(
+        ["--out", out, "--baselines", "shared", "shared+qknorm", "--candidates", "unified",
+         "--lr-points", "3", "--max-extend", "1", "--seeds", "2", "--train-iters", "10",
+         *extra]))
+
+
+def test_tuned_plan_extends_edge_and_reports_strongest(tmp_path):
+    """On recorded (fake) runs: an edge best grows the grid once, the comparison runs at the
+    best LR on seeds 1..N with min-lr scaled, and the table measures against the strongest."""
+    out = str(tmp_path / "t")
+    a = _tuned_args(out)
+    loss = {"shared": lambda lr: 5.0 + abs(math.log2(lr / 3e-3)) * 0.1,  # interior at 3e-3
+            "shared+qknorm": lambda lr: 4.9 + abs(math.log2(lr / 6e-3)) * 0.1,  # interior
+            "unified": lambda lr: 4.8 - lr}  # keeps improving: best at the high edge
+
+    def fill(runs, bump=0.0):
+        for r in runs:
+            v = r.labels["variant"]
+            _fake_run(os.path.join(out, r.key), r.train_iters,
+                      loss[v](r.labels["lr"]) + bump * r.labels["seed"], 1000)
+
+    runs, grids = tuned.tuning_plan(a, ablation._base_argv, out)
+    assert {r.labels["lr"] for r in runs} == {1.5e-3, 3e-3, 6e-3}
+    assert all(g[1] is None for g in grids.values())
+    fill(runs)
+    runs, grids = tuned.tuning_plan(a, ablation._base_argv, out)
+    assert grids[("dense", "adam-cosine", "shared")][1][:2] == (3e-3, "")
+    for v in ("shared+qknorm", "unified"):  # best at the high edge: one more point
+        assert grids[("dense", "adam-cosine", v)][0] == [1.5e-3, 3e-3, 6e-3, 1.2e-2]
+    fill([r for r in runs if not runner.is_done(os.path.join(out, r.key), r.train_iters)])
+    _, grids = tuned.tuning_plan(a, ablation._base_argv, out)
+    best = {k[2]: v[1][:2] for k, v in grids.items()}
+    assert best == {"shared": (3e-3, ""), "shared+qknorm": (6e-3, ""),
+                    "unified": (1.2e-2, "high")}  # still on the edge after --max-extend 1
+    comp = tuned.comparison_runs(a, ablation._base_argv, out, grids)
+    assert sorted(r.labels["seed"] for r in comp) == [1, 1, 1, 2, 2, 2]
+    r = next(r for r in comp if r.labels["variant"] == "unified")
+    assert r.argv[r.argv.index("--lr") + 1] == "0.012"
+    assert r.argv[r.argv.index("--min-lr") + 1] == "0.0012"
+    q = next(r for r in comp if r.labels["variant"] == "shared+qknorm")
+    assert "--qk-layernorm" in q.argv and q.argv[q.argv.index("--scalevec") + 1] == "shared"
+    fill(comp, bump=0.01)
+    rows = tuned.report(a, ablation._base_argv, out, grids, log=lambda _: None)
+    by = {r["variant"]: r for r in rows}
+    assert by["unified"]["strongest"] == "shared+qknorm"
+    d = by["unified"]["vs_strongest"]
+    assert d["n"] == 2 and d["mean"] == pytest.approx(loss["unified"](1.2e-2) - 4.9)
+    assert by["shared"]["vs_strongest"]["mean"] == pytest.approx(0.1)
+    md = open(os.path.join(out, "tuned.md")).read()
+    assert md.splitlines()[2] == tuned.TUNED_HEADER
+    assert "| unified |" in md and "grid's high edge" in md
+    assert "shared+qknorm (strongest baseline)" in md
+    assert os.path.exists(os.path.join(out, "tuned_dense_adam-cosine.png"))
+
+
+def test_tuned_settings_and_muon_note():
+    a = _tuned_args("/nonexistent", "--settings", "adam-wsd", "muon-cosine")
+    notes = []
+    got = tuned.settings(a, log=notes.append)
+    if tuned.muon_available():
+        assert got == ["adam-wsd"] and "Muon rows skipped" in notes[0]
+    else:
+        assert got == ["adam-wsd", "muon-cosine"]
+    r = tuned.make_run(a, ablation._base_argv, "dense", "adam-wsd", "shared", 3e-3, 1)
+    assert r.argv[r.argv.index("--lr-decay-style") + 1] == "WSD"
+    with pytest.raises(SystemExit, match="OPTIMIZER-SCHEDULE"):
+        tuned.parse_setting("adamw-cosine")
+
+
+def test_tuned_default_budget_is_2p5_tokens_per_param():
+    a = ablation.finish_args(ablation.build_parser().parse_args([]))
+    n = scaling.approx_params(a.num_layers, a.hidden_size, 4096)
+    assert a.families == ["dense"] and not a.fixed_lr
+    assert a.train_iters * a.seq_length * a.micro_batch_size >= 2.5 * n
+    f = ablation.finish_args(ablation.build_parser().parse_args(["--fixed-lr"]))
+    assert f.train_iters == 250 and f.families == ["dense", "moe"]
+
+
+def test_compare_difference():
+    base = [{10: 6.0, 20: 5.5, 30: 5.2, 40: 5.0}]
+    cand = [{10: 5.9, 20: 5.4, 30: 5.1, 40: 4.95}]
+    d = compare.difference(cand, base)  # one seed: over the second-half eval points
+    assert d["its"] == [10, 20, 30, 40] and d["mean"][0] == pytest.approx(-0.1)
+    assert d["final"] == pytest.approx(-0.075) and "one seed" in d["over"]
+    m, h = stats.t_interval([-0.1, -0.05])
+    assert (d["lo"], d["hi"]) == (pytest.approx(m - h), pytest.approx(m + h))
+    d = compare.difference(cand + [{10: 6.0, 40: 5.0}], base + [{10: 6.1, 40: 5.2}])
+    assert d["its"] == [10, 40] and "2 paired seeds" in d["over"]
+    m, h = stats.t_interval([-0.05, -0.2])
+    assert d["final"] == pytest.approx(m) and d["hi"] == pytest.approx(m + h)
+
+
+def test_scaling_tuned_picks_lr_per_strategy_and_size(tmp_path):
+    out = str(tmp_path / "sc")
+    argv = ["--out", out, "--sizes", "1x16", "2x32", "--seeds", "2", "--bootstrap", "20"]
+    a = scaling.build_parser().parse_args(argv)
+    assert scaling.runs_for(a, out) == []  # nothing to compare before the grids finish
+    tune = scaling.tuning_runs(a)
+    assert {r.labels["lr"] for r in tune} == {1.5e-3, 3e-3, 6e-3}
+    assert {r.labels["seed"] for r in tune} == {tuning.TUNE_SEED0 + 1}
+    best_at = {"shared": 3e-3, "hg+dnp+or+iwd": 6e-3}  # unified's best on the high edge
+    for r in tune:
+        lab = r.labels
+        _fake_run(os.path.join(out, r.key), r.train_iters,
+                  5.0 + abs(math.log2(lab["lr"] / best_at[lab["strategy"]])), 100)
+    comp = scaling.runs_for(a, out)
+    assert sorted((r.labels["strategy"], r.labels["lr"]) for r in comp) == sorted(
+        [("shared", 3e-3)] * 4 + [("hg+dnp+or+iwd", 6e-3)] * 4)
+    for r in comp:
+        n = scaling.approx_params(*scaling._size(r.labels["size"]), 4096)
+        _fake_run(os.path.join(out, r.key), r.train_iters,
+                  8.0 - 0.2 * math.log(n) - 0.01 * (r.labels["strategy"] != "shared"), n)
+    scaling.main(argv + ["--report-only"])
+    md = open(os.path.join(out, "scaling.md")).read()
+    assert "shared 1x16 0.003;" in md
+    assert "hg+dnp+or+iwd 2x32 0.006 (best at the grid's high edge)" in md

@@ -20,7 +20,7 @@ import csv
 import math
 import os
 
-from megatron_scalevec.evidence import runner, stats
+from megatron_scalevec.evidence import runner, stats, tuned
 
 LADDER = ["none", "shared", "hg", "hg+dp", "hg+dnp", "hg+dnp+or", "hg+dnp+er", "hg+dnp+or+iwd"]
 FAMILIES = ("dense", "moe")
@@ -29,13 +29,15 @@ FAMILIES = ("dense", "moe")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/ablation", help="sweep directory (resumable)")
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--families", nargs="+", default=None, choices=FAMILIES,
+                   help="default: dense (tuned), dense moe (--fixed-lr)")
     p.add_argument("--strategies", nargs="+", default=LADDER, help="dense ladder")
     p.add_argument("--moe-strategies", nargs="+", default=None,
                    help="MoE ladder (default: --strategies)")
     p.add_argument("--seeds", type=int, default=3, help="paired seeds 1..N")
     p.add_argument("--moe-seeds", type=int, default=None, help="default: --seeds")
-    p.add_argument("--train-iters", type=int, default=250)
+    p.add_argument("--train-iters", type=int, default=None,
+                   help="default: 2.5 tokens/param (tuned), 250 (--fixed-lr)")
     p.add_argument("--moe-train-iters", type=int, default=150,
                    help="MoE runs (each step costs more); 0: --train-iters")
     p.add_argument("--num-layers", type=int, default=2)
@@ -58,7 +60,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
     p.add_argument("--jobs", type=int, default=2,
                    help="runs at a time (two 1-thread runs beat one 2-thread run on 2 cores)")
+    tuned.add_arguments(p)
     return p
+
+
+def finish_args(a):
+    """Mode-dependent defaults: the tuned comparison is dense at 2.5 tokens per parameter; the
+    fixed-LR ladder keeps its historical budget (250 steps, dense and MoE)."""
+    from megatron_scalevec.evidence.scaling import approx_params  # noqa: PLC0415
+
+    a.families = a.families or (["dense", "moe"] if a.fixed_lr else ["dense"])
+    if a.train_iters is None:
+        tpp = a.tokens_per_param or (None if a.fixed_lr else 2.5)
+        a.train_iters = 250 if tpp is None else max(
+            a.eval_interval, math.ceil(tpp * approx_params(a.num_layers, a.hidden_size, 4096)
+                                       / (a.seq_length * a.micro_batch_size)))
+    return a
 
 
 def _base_argv(a, family: str, seed: int) -> list:
@@ -337,9 +354,13 @@ def report(a, root: str, log=print) -> tuple:
 
 
 def main(argv=None) -> list:
-    a = build_parser().parse_args(argv)
+    a = finish_args(build_parser().parse_args(argv))
     root = a.out
     os.makedirs(root, exist_ok=True)
+    if not a.fixed_lr:
+        grids = tuned.tuning_plan(a, _base_argv, root)[1] if a.report_only else \
+            tuned.execute(a, _base_argv, root)
+        return tuned.report(a, _base_argv, root, grids)
     if not a.report_only:
         first = [r for f in a.families for r in ladder_runs(a, f)]
         first += [r for f in a.families for r in lr_runs(a, f)]

@@ -25,7 +25,7 @@ import math
 import os
 import random
 
-from megatron_scalevec.evidence import runner, stats
+from megatron_scalevec.evidence import runner, stats, tuning
 
 STRATEGIES = ("shared", "hg+dnp+or+iwd")
 
@@ -54,6 +54,13 @@ def build_parser():
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="OMP threads per run")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    p.add_argument("--fixed-lr", action="store_true",
+                   help="every run at --lr (no tuning); default: tune the LR per strategy "
+                        "and size on a grid around --lr, compare at each one's best")
+    p.add_argument("--lr-points", type=int, default=3)
+    p.add_argument("--lr-factor", type=float, default=2.0)
+    p.add_argument("--tune-seeds", type=int, default=1)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="LR floor / peak LR")
     return p
 
 
@@ -67,30 +74,65 @@ def approx_params(layers, hidden, vocab):
     return vocab * hidden + layers * 16 * hidden * hidden
 
 
-def runs_for(a) -> list:
-    tokens_per_iter = a.seq_length * a.micro_batch_size
+def _iters_for(a, size):
+    layers, hidden = _size(size)
+    n = approx_params(layers, hidden, a.vocab_size)
+    return max(20, math.ceil(a.tokens_per_param * n / (a.seq_length * a.micro_batch_size)))
+
+
+def _run(a, s, size, seed, lr, key):
+    layers, hidden = _size(size)
+    iters = _iters_for(a, size)
+    argv = ["--spec", "scalevec_dense", "--scalevec", s, "--num-layers", layers,
+            "--hidden-size", hidden, "--num-attention-heads", hidden // a.head_dim,
+            "--seq-length", a.seq_length, "--micro-batch-size", a.micro_batch_size,
+            "--train-iters", iters, "--eval-interval", iters,
+            "--eval-iters", a.eval_iters, "--lr", f"{lr:g}", "--min-lr",
+            f"{lr * a.min_lr_ratio:g}", "--seed", seed, "--log-interval", 10, "--no-plot",
+            "--quiet"]
+    return runner.Run(key, [str(x) for x in argv] + a.trainer_args.split(), iters,
+                      dict(strategy=s, size=size, seed=seed, iters=iters, lr=lr))
+
+
+def tuning_runs(a) -> list:
+    """Per (strategy, size): the LR grid on the tuning seed(s) (tuned mode only)."""
+    grid = tuning.lr_grid(a.lr, a.lr_points, a.lr_factor)
+    return [_run(a, s, size, seed, lr, f"{s}/{size}/lr{lr:g}/tune{seed}")
+            for size in a.sizes for s in a.strategies for lr in grid
+            for seed in range(tuning.TUNE_SEED0 + 1, tuning.TUNE_SEED0 + 1 + a.tune_seeds)]
+
+
+def best_lrs(a, root) -> dict:
+    """{(strategy, size): (best lr, edge)} for every finished grid."""
+    by = {}
+    for r in tuning_runs(a):
+        d = os.path.join(root, r.key)
+        done = runner.is_done(d, r.train_iters)
+        by.setdefault((r.labels["strategy"], r.labels["size"]), {}).setdefault(
+            r.labels["lr"], []).append(runner.val_curve(d)[-1][1] if done else None)
+    return {k: tuning.best_lr(v) for k, v in by.items()
+            if all(x is not None for xs in v.values() for x in xs)}
+
+
+def runs_for(a, root=None) -> list:
+    """The comparison runs: at ``--lr`` (``--fixed-lr``), else at each (strategy, size)'s best
+    LR once its grid has finished (fresh seeds 1..N, disjoint from the tuning seeds)."""
+    best = {} if a.fixed_lr else best_lrs(a, root)
     runs = []
     for seed in range(1, a.seeds + 1):
         for size in a.sizes:
-            layers, hidden = _size(size)
-            n = approx_params(layers, hidden, a.vocab_size)
-            iters = max(20, math.ceil(a.tokens_per_param * n / tokens_per_iter))
             for s in a.strategies:
-                argv = ["--spec", "scalevec_dense", "--scalevec", s, "--num-layers", layers,
-                        "--hidden-size", hidden, "--num-attention-heads", hidden // a.head_dim,
-                        "--seq-length", a.seq_length, "--micro-batch-size", a.micro_batch_size,
-                        "--train-iters", iters, "--eval-interval", iters,
-                        "--eval-iters", a.eval_iters, "--lr", a.lr, "--seed", seed,
-                        "--log-interval", 10, "--no-plot", "--quiet"]
-                runs.append(runner.Run(f"{s}/{size}/seed{seed}",
-                                       [str(x) for x in argv] + a.trainer_args.split(), iters,
-                                       dict(strategy=s, size=size, seed=seed, iters=iters)))
+                if a.fixed_lr:
+                    runs.append(_run(a, s, size, seed, a.lr, f"{s}/{size}/seed{seed}"))
+                elif (s, size) in best:
+                    lr = best[(s, size)][0]
+                    runs.append(_run(a, s, size, seed, lr, f"{s}/{size}/lr{lr:g}/seed{seed}"))
     return runs
 
 
 def collect(a, root) -> list:
     out = []
-    for r in runs_for(a):
+    for r in runs_for(a, root):
         d = os.path.join(root, r.key)
         if not runner.is_done(d, r.train_iters):
             continue
@@ -249,6 +291,16 @@ def write_tables(a, rows, res, root):
         m2, mult2, det2 = res["alt"]
         lines += ["", f"Other fit, for comparison: {_describe(m2, det2)}; multiplier "
                       f"{mult2:.3f}x (point estimate)."]
+    if not a.fixed_lr:
+        best = best_lrs(a, root)
+        lines += ["", "Learning rate per strategy and size (grid "
+                  + ", ".join(f"{x:g}" for x in tuning.lr_grid(a.lr, a.lr_points, a.lr_factor))
+                  + f", tuning seed(s) {tuning.TUNE_SEED0 + 1}.., floor {a.min_lr_ratio:g} x "
+                  "peak): " + "; ".join(
+                      f"{s} {z} {lr:g}" + (f" ({tuning.edge_note(e)})" if e else "")
+                      for (s, z), (lr, e) in sorted(best.items()))]
+    else:
+        lines += ["", f"Every run at LR {a.lr:g} (--fixed-lr)."]
     md = "\n".join(lines) + "\n"
     with open(os.path.join(root, "scaling.md"), "w") as f:
         f.write("# Compute-efficiency fit\n\n" + md)
@@ -303,7 +355,9 @@ def main(argv=None) -> dict:
     a = build_parser().parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if not a.report_only:
-        runner.execute(runs_for(a), a.out, threads=a.threads, jobs=a.jobs)
+        if not a.fixed_lr:
+            runner.execute(tuning_runs(a), a.out, threads=a.threads, jobs=a.jobs)
+        runner.execute(runs_for(a, a.out), a.out, threads=a.threads, jobs=a.jobs)
     rows = collect(a, a.out)
     res = analyse(a, rows)
     md = write_tables(a, rows, res, a.out)
