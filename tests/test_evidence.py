@@ -126,6 +126,7 @@ def test_best_lr_and_edge():
     assert tuning.best_lr({1e-3: [5.0], 2e-3: [4.8], 4e-3: [4.1]}) == (4e-3, "high")
     # a diverged run (nan) never wins; ties go to the smaller LR
     assert tuning.best_lr({1e-3: [5.0], 2e-3: [4.8], 4e-3: [math.nan]}) == (2e-3, "")
+    assert tuning.best_lr({1e-3: [math.nan], 2e-3: [4.8], 4e-3: [5.0]}) == (2e-3, "")
     assert tuning.best_lr({1e-3: [5.0], 2e-3: [4.8], 4e-3: [4.8]}) == (2e-3, "")
     assert tuning.best_lr({1e-3: [5.0]}) == (1e-3, "only")
 

@@ -2,7 +2,8 @@
 grid, same seed(s), one plot with both validation curves and their difference.
 
 Every run is the real trainer (one subprocess each, resumable like the sweeps). The LR of each
-strategy is picked on seed 1; with ``--seeds 1`` that run is also the comparison (both sides get
+strategy is picked on seed 1 (a best on the grid's edge adds one point beyond it,
+``--max-extend``); with ``--seeds 1`` that run is also the comparison (both sides get
 the same best-of-grid advantage), with more seeds the comparison is paired over seeds 1..N at
 the picked LRs. The interval of the difference: with several seeds, a 95% t-interval over
 seeds (per eval point in the plot, at the end in the summary); with one seed, a t-interval over
@@ -16,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import textwrap
 import time
 
 from megatron_scalevec.evidence import runner, stats, tuning
@@ -29,6 +31,8 @@ def build_parser():
     p.add_argument("--lrs", nargs="+", type=float, default=None,
                    help="LR grid (default: --lr-points around 6e-3, factor 2)")
     p.add_argument("--lr-points", type=int, default=3)
+    p.add_argument("--max-extend", type=int, default=1,
+                   help="grid points added beyond an edge best, per strategy")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="LR floor / peak LR")
     p.add_argument("--seeds", type=int, default=1, help="comparison seeds 1..N")
     p.add_argument("--train-iters", type=int, default=250)
@@ -108,7 +112,7 @@ def plot(a, curves, best, diff, path):
     ax2.axhline(0, color="k", lw=0.8)
     ax1.set_title("validation loss, each at its best LR")
     ax2.set_title(f"difference: {diff['final']:+.4f} [{diff['lo']:+.4f}, {diff['hi']:+.4f}]\n"
-                  f"({diff['over']})", fontsize=9)
+                  + textwrap.fill(f"({diff['over']})", 80), fontsize=9)
     for ax in (ax1, ax2):
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
@@ -126,12 +130,20 @@ def main(argv=None) -> dict:
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     pair = (a.baseline, a.candidate)
-    runner.execute([_run(a, s, lr, 1) for s in pair for lr in lrs], a.out, threads=a.threads,
-                   jobs=a.jobs)
-    best, edge, tune = {}, {}, {}
-    for s in pair:
-        tune[s] = {lr: [_curve(a, _run(a, s, lr, 1))[a.train_iters]] for lr in lrs}
-        best[s], edge[s] = tuning.best_lr(tune[s])
+    grids = {s: list(lrs) for s in pair}
+    for _ in range(a.max_extend + 1):  # a best on the grid's edge grows the grid that way
+        runner.execute([_run(a, s, lr, 1) for s in pair for lr in grids[s]], a.out,
+                       threads=a.threads, jobs=a.jobs)
+        tune = {s: {lr: [_curve(a, _run(a, s, lr, 1))[a.train_iters]] for lr in grids[s]}
+                for s in pair}
+        got = {s: tuning.best_lr(tune[s]) for s in pair}
+        best, edge = {s: g[0] for s, g in got.items()}, {s: g[1] for s, g in got.items()}
+        grow = [s for s in pair if edge[s] in ("low", "high")
+                and len(grids[s]) < len(lrs) + a.max_extend]
+        if not grow:
+            break
+        for s in grow:
+            grids[s] = tuning.extend(grids[s], edge[s])
     comp = [_run(a, s, best[s], k) for s in pair for k in range(1, a.seeds + 1)]
     runner.execute(comp, a.out, threads=a.threads, jobs=a.jobs)
     curves = {s: [_curve(a, _run(a, s, best[s], k)) for k in range(1, a.seeds + 1)]
