@@ -9,11 +9,21 @@ compares medians over the rounds. Memory is reported as
   deterministic on any device), where applying vectors to activations or to weights differs;
 * ``state``: parameters + gradients + Adam moments;
 * ``peak``: on a GPU, ``torch.cuda.max_memory_allocated`` of a step.
+
+Ratios are printed against megatron-core's stock spec and against our ``shared`` in one table
+(whichever of the two is among the variants). ``fold %`` is the share of the step spent
+folding vectors into weights (layers/linear.py: the fold in forward, its rebuild in backward
+and the map back of its gradient, timed alone, times the micro-batches).
+
+A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / ``activation``
+(ScaleVecConfig.apply_mode) and ``compile`` / ``eager`` (the fused DNP kernels through
+torch.compile, or not; default: what the trainer does, compiled on CUDA only).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -26,11 +36,20 @@ DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dn
 
 
 def parse_variant(name: str):
-    """``stock`` (megatron-core local spec), a strategy, or ``strategy@mode``."""
-    if name == "stock":
-        return None
-    strategy, _, mode = name.partition("@")
-    return ScaleVecConfig.from_string(strategy, apply_mode=mode or "auto")
+    """(ScaleVecConfig or None for ``stock``, fused compile mode) of a variant name."""
+    strategy, _, opts = name.partition("@")
+    mode, compile_mode = "auto", "auto"
+    for opt in filter(None, opts.split(",")):
+        if opt in ("weight", "activation"):
+            mode = opt
+        elif opt in ("compile", "eager"):
+            compile_mode = "on" if opt == "compile" else "off"
+        else:
+            raise ValueError(f"variant {name!r}: unknown option {opt!r} (expected weight, "
+                             f"activation, compile or eager)")
+    if strategy == "stock":
+        return None, compile_mode
+    return ScaleVecConfig.from_string(strategy, apply_mode=mode), compile_mode
 
 
 def saved_activation_bytes(fn) -> int:
@@ -54,29 +73,67 @@ def _state_bytes(model) -> int:
     return sum(p.numel() * (p.element_size() + 4 + 8) for p in model.parameters())
 
 
-def run(args) -> list:
-    from megatron.core import parallel_state
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
 
+
+def fold_seconds(model, cuda: bool, repeats: int = 5) -> float:
+    """Seconds one micro-batch spends on the weight fold of every folded linear: the fold in
+    forward, its rebuild in backward, and the map back of a gradient to W and the vectors."""
+    from megatron_scalevec.layers.linear import ScaleVecLinearMixin, _FoldedLinear
+
+    lins = [m for m in model.modules() if isinstance(m, ScaleVecLinearMixin)
+            and m.has_scale_vectors and m.scalevec_mode == "weight"]
+    if not lins:
+        return 0.0
+    times = []
+    for _ in range(repeats):
+        _sync(cuda)
+        t0 = time.perf_counter()
+        for m in lins:
+            w = m.weight.detach()
+            row, col = (v.detach().requires_grad_() if v is not None else None
+                        for v in m.fold_vectors())
+            x = w.new_zeros((1, w.shape[1]), requires_grad=True)  # GEMMs of 1 token: ~free
+            wr = w.requires_grad_()
+            out = _FoldedLinear.apply(x, wr, row, col, None, m.fold_layout, False, False, None)
+            out.sum().backward()
+            w.requires_grad_(False)
+        _sync(cuda)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def model_config(args):
+    """The benchmark model's TransformerConfig (one place to add model or expert options)."""
     from megatron_scalevec.testing import models as M
 
-    cuda = args.device == "cuda"
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    M.VOCAB, M.SEQ = args.vocab, args.seq_length
     config_kw = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads,
                      num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
                      bf16=args.bf16, params_dtype=dtype, pipeline_dtype=dtype,
-                     use_cpu_initialization=not cuda)
+                     use_cpu_initialization=args.device != "cuda")
     if args.num_experts:
         config_kw.update(num_moe_experts=args.num_experts, moe_router_topk=args.topk,
                          moe_ffn_hidden_size=args.ffn_hidden_size // args.topk,
                          moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=0.0)
-    config = M.tiny_config(**config_kw)
+    return M.tiny_config(**config_kw)
+
+
+def run(args) -> list:
+    from megatron.core import parallel_state
+
+    from megatron_scalevec.layers import fused
+    from megatron_scalevec.testing import models as M
+
+    cuda = args.device == "cuda"
+    M.VOCAB, M.SEQ = args.vocab, args.seq_length
+    config = model_config(args)
     data = M.batches(args.micro_batches, args.micro_batch_size)
     if cuda:
         data = [{k: v.cuda() for k, v in b.items()} for b in data]
-    import copy
-
     grouped = copy.deepcopy(config)  # --grouped-gemm: our grouped experts (stock has none)
     grouped.moe_grouped_gemm = True
     builds = [(name, config) for name in args.variants]
@@ -84,26 +141,30 @@ def run(args) -> list:
         builds += [(f"{n}/grouped", grouped) for n in args.variants if n != "stock"]
     rows = []
     for name, cfg in builds:
-        model = M.build_gpt(cfg, parse_variant(name.removesuffix("/grouped")))
+        strategy, compile_mode = parse_variant(name.removesuffix("/grouped"))
+        model = M.build_gpt(cfg, strategy)
         if cuda:
             model = model.cuda()
         if args.bf16:
             from megatron.core.transformer.module import Float16Module
 
-            model = Float16Module(config, model)
+            model = Float16Module(cfg, model)
         n_params = sum(p.numel() for p in model.parameters())
         b = data[0]
         act = saved_activation_bytes(
             lambda m=model, b=b: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
-        ddp = M.wrap_ddp(model, config)
+        ddp = M.wrap_ddp(model, cfg)
         opt = M.make_optimizer(ddp, lr=1e-4)
         rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
-                         act=act, state=_state_bytes(model), times=[], peak=None))
+                         act=act, state=_state_bytes(model), times=[], peak=None,
+                         compile=compile_mode))
     for _ in range(args.warmup):
         for r in rows:
+            fused.set_compile(r["compile"])
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
     for _ in range(args.repeats):
         for r in rows:
+            fused.set_compile(r["compile"])
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -113,28 +174,39 @@ def run(args) -> list:
                 torch.cuda.synchronize()
                 r["peak"] = torch.cuda.max_memory_allocated()
             r["times"].append(time.perf_counter() - t0)
+    fused.set_compile("auto")
+    for r in rows:
+        r["fold"] = args.micro_batches * fold_seconds(r["model"], cuda)
     del parallel_state
     return rows
 
 
 def report(rows, base_name: str) -> str:
-    base = next((r for r in rows if r["name"] == base_name), rows[0])
-    t0 = statistics.median(base["times"])
-    lines = [f"baseline: {base['name']} median step {t0 * 1e3:.1f} ms",
-             "| variant | params | +params | step ms (median) | spread | time ratio | "
-             "act MiB | act ratio | state ratio | peak ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One markdown table: each variant against stock and shared (those present) and
+    ``base_name``."""
+    names = [r["name"] for r in rows]
+    refs = [n for n in dict.fromkeys(["stock", "shared", base_name]) if n in names] or \
+        [names[0]]
+    by = {r["name"]: r for r in rows}
+    med = {r["name"]: statistics.median(r["times"]) for r in rows}
+    base = by[base_name] if base_name in by else by[refs[0]]
+    lines = [f"baseline: {base['name']} median step {med[base['name']] * 1e3:.1f} ms"]
+    head = ["variant", "params", "+params", "step ms", "spread"]
+    head += [f"time/{n}" for n in refs] + ["act MiB"] + [f"act/{n}" for n in refs]
+    head += ["state ratio", "fold %", "peak ratio"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        med = statistics.median(r["times"])
+        m = med[r["name"]]
         q = sorted(r["times"])
-        spread = (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / med
+        spread = (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / m
         peak = (f"{r['peak'] / base['peak']:.3f}" if r["peak"] and base["peak"] else "n/a")
         extra = (r["params"] - base["params"]) / base["params"]
-        lines.append(
-            f"| {r['name']} | {r['params']:,} | {extra:.2e}"
-            f" | {med * 1e3:.1f} | ±{spread * 50:.1f}% | {med / t0:.3f} | "
-            f"{r['act'] / 2**20:.1f} | {r['act'] / base['act']:.3f} | "
-            f"{r['state'] / base['state']:.4f} | {peak} |")
+        cells = [r["name"], f"{r['params']:,}", f"{extra:.2e}", f"{m * 1e3:.1f}",
+                 f"±{spread * 50:.1f}%"]
+        cells += [f"{m / med[n]:.3f}" for n in refs] + [f"{r['act'] / 2**20:.1f}"]
+        cells += [f"{r['act'] / by[n]['act']:.3f}" for n in refs]
+        cells += [f"{r['state'] / base['state']:.4f}", f"{100 * r['fold'] / m:.2f}", peak]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -178,7 +250,12 @@ def main(argv=None) -> None:
     from megatron_scalevec.testing import init_model_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29611")
+    if "MASTER_PORT" not in os.environ:  # a free one: several benchmarks may share a machine
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     if not dist.is_initialized():
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0,
                                 world_size=1)
@@ -190,7 +267,7 @@ def main(argv=None) -> None:
     print(f"device={args.device} bf16={args.bf16} threads={torch.get_num_threads()} "
           f"layers={args.num_layers} hidden={args.hidden_size} ffn={args.ffn_hidden_size} "
           f"experts={args.num_experts} seq={args.seq_length} mbs={args.micro_batch_size} "
-          f"repeats={args.repeats}")
+          f"micro_batches={args.micro_batches} repeats={args.repeats}")
     print(report(rows, args.baseline))
     dist.destroy_process_group()
 

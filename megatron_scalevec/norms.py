@@ -107,7 +107,19 @@ class ScaleVecNorm(ScaleVector):
             raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
                              f"got {self.normalization!r}")
 
+    def vector(self):
+        """gamma (None without a vector), for the fused functions that apply it."""
+        return super().forward()
+
+    def forward_fused(self, x: torch.Tensor, rope=None, interleaved: bool = False):
+        """A per-head branch norm through layers/fused.py (+ RoPE: ``rope`` = (cos, sin))."""
+        from megatron_scalevec.layers import fused  # noqa: PLC0415 (layers imports norms)
+
+        return fused.head_norm(x, self.vector(), self.eps, self.normalization, rope, interleaved)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "branch" and self.split_group is None:
+            return self.forward_fused(x)  # keeps its output (the consumer's) + 1/rms
         gamma = super().forward()
         if self.normalization == "RMSNorm":
             return _ScaledRMSNorm.apply(x, gamma, self.eps, self.split_group, self.global_size)

@@ -3,17 +3,30 @@
 ``q = a_q * N_head(W_q (gamma_q * N(x)))``, same for k and v. The input side (gamma, HG) and
 DP's output side live in ``linear_qkv`` (layers/linear.py); this class adds only the
 normalized output side. For Q and K this is exactly QK-norm; megatron-core has no V norm,
-hence the subclass. The norms are ``q_norm``/``k_norm``/``v_norm`` (not ``q_layernorm``) so that
+hence the subclass. The norms run through layers/fused.py: q and k fused with RoPE (this class
+applies RoPE itself, in ``get_query_key_value_tensors``, whenever the fused path covers the call),
+keeping only the rotated output attention keeps anyway. The norms are
+``q_norm``/``k_norm``/``v_norm`` (not ``q_layernorm``) so that
 ``finalize_model_grads``, which reduces names containing ``q_layernorm`` whenever
 ``config.qk_layernorm`` is set, never reduces them a second time.
 """
 
 from __future__ import annotations
 
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.layers import fused
 from megatron_scalevec.norms import ScaleVecNorm
+
+try:  # megatron-core's YaRN concentration factor (mscale) of its RoPE
+    from megatron.core.transformer.attention import (
+        _yarn_get_concentration_factor_from_config as _rope_mscale,
+    )
+except ImportError:  # pragma: no cover (older megatron-core: no YaRN scale)
+    def _rope_mscale(config):
+        return 1.0
 
 
 class ScaleVecSelfAttention(SelfAttention):
@@ -39,6 +52,41 @@ class ScaleVecSelfAttention(SelfAttention):
                     config, self.hidden_size_per_attention_head, config.layernorm_epsilon,
                     scalevec=scalevec, kind="branch", tp_group=group, grad_group=group)
             setattr(self, f"{b}_norm", norm)
+        self._rope = None  # (q_freqs, k_freqs) while forward() applies RoPE itself
+
+    def _fuses_rope(self, kwargs) -> bool:
+        """The fused norm+RoPE covers this call: plain bshd self-attention, unfused RoPE."""
+        cfg = self.config
+        return (self.q_norm is not None and kwargs.get("rotary_pos_emb") is not None
+                and self.attention_type == "self" and not fused.use_reference()
+                and all(kwargs.get(k) is None for k in (
+                    "inference_context", "inference_params", "packed_seq_params",
+                    "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin"))
+                and not any(getattr(cfg, f, False) for f in (
+                    "apply_rope_fusion", "multi_latent_attention", "flash_decode",
+                    "fused_single_qkv_rope"))
+                and getattr(cfg, "mrope_section", None) is None)
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        if args or not self._fuses_rope(kwargs):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        rope = kwargs["rotary_pos_emb"]
+        self._rope = rope if isinstance(rope, tuple) else (rope, rope)
+        kwargs["rotary_pos_emb"] = None  # applied by get_query_key_value_tensors below
+        try:
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        finally:
+            self._rope = None
+
+    def _norm_rope(self, t, norm, freqs):
+        """norm (fused with RoPE when this forward applies RoPE) of one of q, k."""
+        if freqs is None:
+            return norm(t) if norm is not None else t
+        if norm is None:
+            return apply_rotary_pos_emb(t, freqs, config=self.config,
+                                        mscale=_rope_mscale(self.config))
+        return norm.forward_fused(t, fused.rope_cos_sin(freqs, _rope_mscale(self.config),
+                                                        t.dtype), self.config.rotary_interleaved)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     output_gate=False, split_qkv=True):
@@ -50,10 +98,9 @@ class ScaleVecSelfAttention(SelfAttention):
             return out
         query, key, value = out[:3]
         # [s, b, heads, head_dim]: each norm works per head over head_dim.
-        if self.q_norm is not None:
-            query = self.q_norm(query)
-        if self.k_norm is not None:
-            key = self.k_norm(key)
+        q_freqs, k_freqs = self._rope if self._rope is not None else (None, None)
+        query = self._norm_rope(query, self.q_norm, q_freqs)
+        key = self._norm_rope(key, self.k_norm, k_freqs)
         if self.v_norm is not None:
             value = self.v_norm(value)
         return (query, key, value) + tuple(out[3:])

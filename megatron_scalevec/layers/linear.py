@@ -14,8 +14,10 @@ The effective map is ``diag(a_slot) W_slot diag(gamma_slot)`` (SPEC.md's unified
 ways to apply it, chosen by ``ScaleVecConfig.apply_mode``:
 
 * ``weight``: build that effective weight (one pass over out x in) and run one GEMM. Default
-  for megatron-core's local linears. Gradient-accumulation fusion is off for these layers
-  since the GEMM's weight is not the leaf parameter.
+  for megatron-core's local linears. The effective weight is never kept for backward (it would
+  be weight-sized memory per micro-batch in flight): ``_FoldedLinear`` keeps W and the vectors
+  and rebuilds it in backward. Gradient-accumulation fusion is off for these layers since the
+  GEMM's weight is not the leaf parameter.
 * ``activation``: scale the input by each branch's gamma, run the linear (one GEMM per
   distinct input vector), keep that branch's rows, then scale by ``a``. It never touches the
   weight, so it works for linears that own their weight (Transformer Engine, FP8).
@@ -26,10 +28,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.layers import fused
 from megatron_scalevec.vectors import ScaleVector
 
 
@@ -53,6 +57,79 @@ def branch_layout(branches: str, config, out_local: int) -> tuple:
     raise ValueError(f"unknown branch layout {branches!r} (expected 'qkv' or 'fc1')")
 
 
+def fold_weight(weight, row, col, layout) -> torch.Tensor:
+    """diag(row) W diag(col) per slot; ``layout`` = (G, S, r) of W's rows."""
+    groups, slots, rows = layout
+    w = weight.view(groups, slots, rows, weight.shape[1])
+    if row is not None and col is not None:
+        scale = row[:, :, None] * col[:, None, :]
+    elif col is not None:
+        scale = col[:, None, :]
+    else:
+        scale = row[:, :, None]
+    return (w * scale.to(w.dtype)).view_as(weight)
+
+
+def _gather_tokens(x, group):
+    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _FoldedLinear(torch.autograd.Function):
+    """``x @ fold_weight(W, row, col)^T (+ bias)`` with megatron-core's column-parallel
+    communication (sequence-parallel gather of x, all-reduce or reduce-scatter of its gradient).
+
+    Keeps x (this rank's shard under SP, as megatron-core does), W and the vectors; backward
+    rebuilds the effective weight (one more pass over out x in) and maps its gradient G back:
+    dW = G * scale, d col[s, j] = sum_{g,i} G W row[s, i], d row[s, i] = sum_{g,j} G W col[s, j].
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, row, col, bias, layout, allreduce_dgrad, sequence_parallel,
+                tp_group):
+        w_eff = fold_weight(weight, row, col, layout)
+        total = _gather_tokens(x, tp_group) if sequence_parallel else x
+        out = torch.matmul(total, w_eff.t())
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x, weight, row, col)
+        ctx.layout, ctx.has_bias = layout, bias is not None
+        ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = (
+            allreduce_dgrad, sequence_parallel, tp_group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, row, col = ctx.saved_tensors
+        w_eff = fold_weight(weight, row, col, ctx.layout)
+        total = _gather_tokens(x, ctx.tp_group) if ctx.sequence_parallel else x
+        dx = dy.matmul(w_eff)
+        del w_eff
+        if ctx.allreduce_dgrad:
+            dist.all_reduce(dx, group=ctx.tp_group)
+        if ctx.sequence_parallel:
+            shard = dx.new_empty(x.shape)
+            dist.reduce_scatter_tensor(shard, dx.contiguous(), group=ctx.tp_group)
+            dx = shard
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        g_eff = dy2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out, in]
+        g4 = g_eff.view(*ctx.layout, weight.shape[1])
+        need = ctx.needs_input_grad
+        d_w = fold_weight(g_eff, row, col, ctx.layout) if need[1] else None
+        d_row = d_col = None
+        if (row is not None and need[2]) or (col is not None and need[3]):
+            p = g4.float() * weight.view_as(g4).float()
+            if row is not None and need[2]:
+                d_row = (torch.einsum("gsij,sj->si", p, col) if col is not None
+                         else p.sum((0, 3)))
+            if col is not None and need[3]:
+                d_col = (torch.einsum("gsij,si->sj", p, row) if row is not None
+                         else p.sum((0, 2)))
+        d_bias = dy2.sum(0) if ctx.has_bias else None
+        return dx, d_w, d_row, d_col, d_bias, None, None, None, None
+
+
 class ScaleVecLinearMixin:
     """The vector math of a branched column-parallel projection; any linear class below it."""
 
@@ -61,6 +138,7 @@ class ScaleVecLinearMixin:
                             mode: str):
         self.scalevec = scalevec
         self.scalevec_mode = mode
+        self._scale_in_size = in_size
         self.groups, self.slots, self.rows = branch_layout(branches, config, out_local)
         names = list(dict.fromkeys(self.slots))
         weight = getattr(self, "weight", None)
@@ -116,18 +194,19 @@ class ScaleVecLinearMixin:
             rows.append(g)
         return torch.stack(rows)
 
+    def fold_vectors(self):
+        """(row [S, r] or None, col [S, in] or None): the slot vectors of the fold."""
+        return (self._slot_stack(self.scale_out, self.rows),
+                self._slot_stack(self.scale_in, self._scale_in_size))
+
+    @property
+    def fold_layout(self) -> tuple:
+        return self.groups, len(self.slots), self.rows
+
     def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """diag(a) W diag(gamma) per slot, as one [out, in] tensor."""
-        col = self._slot_stack(self.scale_in, weight.shape[1])  # [S, in]
-        row = self._slot_stack(self.scale_out, self.rows)  # [S, r]
-        w = weight.view(self.groups, len(self.slots), self.rows, weight.shape[1])
-        if row is not None and col is not None:
-            scale = row[:, :, None] * col[:, None, :]
-        elif col is not None:
-            scale = col[:, None, :]
-        else:
-            scale = row[:, :, None]
-        return (w * scale.to(w.dtype)).view_as(weight)
+        """diag(a) W diag(gamma) per slot, as one [out, in] tensor (with autograd)."""
+        row, col = self.fold_vectors()
+        return fold_weight(weight, row, col, self.fold_layout)
 
     def _activation_forward(self, x: torch.Tensor, call):
         """Activation-side application around any linear ``call(x) -> (out, bias)``."""
@@ -185,12 +264,31 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
     def forward(self, input_, weight=None, runtime_gather_output=None):
         if not self.has_scale_vectors:
             return super().forward(input_, weight, runtime_gather_output)
-        base = self.weight if weight is None else weight
         if self.scalevec_mode == "weight":
-            return super().forward(input_, self.effective_weight(base), runtime_gather_output)
+            return super().forward(input_, weight, runtime_gather_output)  # -> _forward_impl
         return self._activation_forward(
             input_, lambda x: super(ScaleVecColumnParallelLinear, self).forward(
                 x, weight, runtime_gather_output))
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
+                      allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
+                      wgrad_deferral_limit=None, tp_group=None, **kwargs):
+        """megatron-core's GEMM call, with the vectors folded in (weight mode)."""
+        if not self.has_scale_vectors or self.scalevec_mode != "weight":
+            return super()._forward_impl(
+                input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group=tp_group,
+                **kwargs)
+        if grad_output_buffer is not None:
+            raise NotImplementedError("deferred wgrad compute with folded scale vectors")
+        row, col = self.fold_vectors()
+        if fused.use_reference():  # tests: the autograd fold (keeps W_eff)
+            w_eff = fold_weight(weight, row, col, self.fold_layout)
+            return super()._forward_impl(
+                input, w_eff, bias, False, allreduce_dgrad, sequence_parallel, None, None,
+                tp_group=tp_group, **kwargs)
+        return _FoldedLinear.apply(input, weight, row, col, bias, self.fold_layout,
+                                   allreduce_dgrad, sequence_parallel, tp_group)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

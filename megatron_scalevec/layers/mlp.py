@@ -4,16 +4,17 @@
 ``y = W_d (act(g) * u)``. ``N`` runs over the whole FFN width; under tensor (or expert-tensor)
 parallelism that width is split, so its statistics are all-reduced and the result does not
 depend on the layout. Without DNP this class is megatron-core's MLP unchanged (the HG/DP
-vectors live in ``linear_fc1``), fusions included.
+vectors live in ``linear_fc1``), fusions included. With DNP the norms, their vectors and the
+GLU run as one function over fc1's output (layers/fused.py), which keeps only that output.
 """
 
 from __future__ import annotations
 
-import torch
 from megatron.core.transformer.mlp import MLP
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.layers import fused
 from megatron_scalevec.norms import ScaleVecNorm
 
 
@@ -50,11 +51,12 @@ class ScaleVecMLP(MLP):
         h, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             h = h + bias
-        if self.config.gated_linear_unit:
-            gate, up = torch.chunk(h, 2, dim=-1)
-            h = self.config.activation_func(self.gate_norm(gate)) * self.up_norm(up)
-        else:
-            h = self.config.activation_func(self.up_norm(h))
+        gated = self.config.gated_linear_unit
+        norm = self.up_norm
+        h = fused.glu_norm(h, self.gate_norm.vector() if gated else None, norm.vector(),
+                           self.config.activation_func, gated=gated,
+                           normalization=norm.normalization, eps=norm.eps,
+                           group=norm.split_group, width=norm.global_size)
         if per_token_scale is not None:
             h = (h * per_token_scale.unsqueeze(-1)).to(h.dtype)
         out, out_bias = self.linear_fc2(h)

@@ -1,0 +1,303 @@
+"""Lean fused DNP: the output-side norms fused with what follows them, keeping for backward
+no full-size tensor that the stock layer does not keep already.
+
+* ``head_norm``: ``R(a * N_head(x))`` for q and k (``R`` = RoPE), ``a * N_head(x)`` for v. It
+  keeps only its output (which attention keeps anyway) and a per-row ``1/rms``; backward undoes
+  the rotation (RoPE is orthogonal up to its scale, so ``R^-1 = R^T / (cos^2 + sin^2)``) and
+  the scale (``N(x) = y / a``; ``a`` must have no zero entry, a zero shows as NaN gradients).
+* ``glu_norm``: ``act(a_g * N(gate)) * (a_u * N(up))`` in one pass over fc1's output, keeping
+  only that output (what megatron-core's fused GLU keeps) and two per-row ``1/rms``. ``N`` runs
+  over the whole FFN width: when it is split over a tensor-parallel group, the row statistics
+  of forward and backward are all-reduced.
+
+The element-wise bodies are plain tensor functions, run eagerly or through ``torch.compile``
+(``set_compile``; ``auto`` compiles on CUDA only, so CPU tests and the CPU trainer stay eager,
+which the benchmark measured faster there). ``reference()`` switches every call to the
+autograd composite it replaces: the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_scalevec import sharding
+
+_STATE = {"compile": "auto", "reference": False}
+_COMPILED: dict = {}
+
+
+def set_compile(mode: str) -> None:
+    """``auto`` (compiled on CUDA tensors), ``on`` or ``off``."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"fused compile mode must be auto, on or off, got {mode!r}")
+    _STATE["compile"] = mode
+
+
+@contextlib.contextmanager
+def reference():
+    """Run the unfused autograd composites instead of the fused functions (tests)."""
+    saved = _STATE["reference"]
+    _STATE["reference"] = True
+    try:
+        yield
+    finally:
+        _STATE["reference"] = saved
+
+
+def use_reference() -> bool:
+    return _STATE["reference"]
+
+
+def _kernel(fn, x: torch.Tensor):
+    mode = _STATE["compile"]
+    if mode == "off" or (mode == "auto" and not x.is_cuda):
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=None)
+    return _COMPILED[fn]
+
+
+# ---------------------------------------------------------------- RoPE pieces (last dim)
+
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """J x: pairs (x1, x2) -> (-x2, x1); halves, or adjacent entries when interleaved."""
+    if not interleaved:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+def _rope(y, cos, sin, interleaved: bool, transpose: bool = False):
+    """R y (or R^T y) on the first ``cos.shape[-1]`` entries; the rest passes through."""
+    rot = cos.shape[-1]
+    head, tail = y[..., :rot], y[..., rot:]
+    turned = _rotate_half(head, interleaved) * sin
+    head = head * cos - turned if transpose else head * cos + turned
+    return torch.cat((head, tail), dim=-1) if tail.shape[-1] else head
+
+
+def _unrope(y, cos, sin, interleaved: bool):
+    """R^-1 y = R^T y / (cos^2 + sin^2) (cos, sin are equal within each rotated pair)."""
+    rot = cos.shape[-1]
+    back = _rope(y, cos, sin, interleaved, transpose=True)
+    head = back[..., :rot] / (cos * cos + sin * sin)
+    tail = back[..., rot:]
+    return torch.cat((head, tail), dim=-1) if tail.shape[-1] else head
+
+
+# ---------------------------------------------------------------- per-head norm (+ RoPE)
+
+def _head_fwd(x, a, cos, sin, eps: float, layer: bool, interleaved: bool):
+    xf = x.float()
+    if layer:
+        xf = xf - xf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf * rstd
+    if a is not None:
+        y = y * a
+    if cos is not None:
+        y = _rope(y, cos, sin, interleaved)
+    return y.to(x.dtype), rstd
+
+
+def _head_bwd(dy, out, rstd, a, cos, sin, layer: bool, interleaved: bool):
+    dy, y = dy.float(), out.float()
+    if cos is not None:
+        dy = _rope(dy, cos, sin, interleaved, transpose=True)  # grad wrt the unrotated output
+        y = _unrope(y, cos, sin, interleaved)
+    xhat = y / a if a is not None else y
+    g = dy * a if a is not None else dy
+    da = (dy * xhat).flatten(0, -2).sum(0) if a is not None else None
+    dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if layer:
+        dx = dx - g.mean(-1, keepdim=True)
+    return dx * rstd, da
+
+
+class _HeadNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a, cos, sin, eps, layer, interleaved):
+        out, rstd = _kernel(_head_fwd, x)(x, a, cos, sin, eps, layer, interleaved)
+        ctx.save_for_backward(out, rstd, a, cos, sin)
+        ctx.layer, ctx.interleaved = layer, interleaved
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        out, rstd, a, cos, sin = ctx.saved_tensors
+        dx, da = _kernel(_head_bwd, dy)(dy, out, rstd, a, cos, sin, ctx.layer, ctx.interleaved)
+        return dx.to(out.dtype), da, None, None, None, None, None
+
+
+def rope_cos_sin(freqs: torch.Tensor, mscale: float, dtype):
+    """cos/sin of megatron-core's rotary frequencies, as its unfused RoPE builds them."""
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+
+
+def head_norm(x, a: Optional[torch.Tensor], eps: float, normalization: str, rope=None,
+              interleaved: bool = False):
+    """``[R](a * N_head(x))`` over the last dim; ``rope`` = (cos, sin) from rope_cos_sin."""
+    layer = _layer_norm(normalization)
+    cos, sin = rope if rope is not None else (None, None)
+    if use_reference():
+        y = _norm_reference(x, layer, eps, None, x.shape[-1])
+        y = (y * a if a is not None else y).to(x.dtype)
+        if cos is None:
+            return y
+        return _rope(y, cos, sin, interleaved).to(x.dtype)
+    return _HeadNorm.apply(x, a, cos, sin, eps, layer, interleaved)
+
+
+# ---------------------------------------------------------------- GLU with FFN-width norms
+
+def _act_and_grad(act, x):
+    """act(x) and act'(x) for the activations megatron-core's GLUs use; None otherwise."""
+    if act is F.silu:
+        s = torch.sigmoid(x)
+        return x * s, s * (1 + x * (1 - s))
+    if act is F.gelu:
+        cdf = 0.5 * (1 + torch.erf(x * (1 / math.sqrt(2))))
+        return x * cdf, cdf + x * torch.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+    if act is F.relu:
+        return F.relu(x), (x > 0).to(x.dtype)
+    return None
+
+
+def _act_eager(act, x):
+    """Fallback for any other activation: its derivative through autograd."""
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_(True)
+        y = act(xg)
+        (d,) = torch.autograd.grad(y, xg, torch.ones_like(y))
+    return y.detach(), d
+
+
+def _parts(z, gated: bool):
+    return z.chunk(2, dim=-1) if gated else (None, z)
+
+
+def _glu_sums(z, mean, gated: bool):
+    """Per-row [sum] (mean is None) or [sum of squares about mean] of gate and up: [..., P]."""
+    parts = [p.float() for p in _parts(z, gated) if p is not None]
+    if mean is None:
+        return torch.cat([p.sum(-1, keepdim=True) for p in parts], -1)
+    return torch.cat([(p - mean[..., i:i + 1]).pow(2).sum(-1, keepdim=True)
+                      for i, p in enumerate(parts)], -1)
+
+
+def _glu_stats(z, gated, layer, eps, group, n):
+    """(mean or None, rstd) per row and part, over the logical width n."""
+    kernel = _kernel(_glu_sums, z)
+    mean = None
+    if layer:
+        mean = sharding.all_reduce_sum(kernel(z, None, gated), group) / n
+    centered = mean if mean is not None else torch.zeros(
+        (*z.shape[:-1], 2 if gated else 1), dtype=torch.float32, device=z.device)
+    ms = sharding.all_reduce_sum(kernel(z, centered, gated), group) / n
+    return mean, torch.rsqrt(ms + eps)
+
+
+def _xhat(p, mean, rstd, i):
+    p = p.float()
+    if mean is not None:
+        p = p - mean[..., i:i + 1]
+    return p * rstd[..., i:i + 1]
+
+
+def _glu_fwd(z, mean, rstd, a_g, a_u, act, gated: bool):
+    gate, up = _parts(z, gated)
+    nu = _xhat(up, mean, rstd, 1 if gated else 0) * a_u
+    if not gated:
+        return act(nu).to(z.dtype)
+    ng = _xhat(gate, mean, rstd, 0) * a_g
+    return (act(ng) * nu).to(z.dtype)
+
+
+def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots):
+    """``dots is None``: the per-row sums the norm backward needs ([..., 2P]); else (dz, da_g,
+    da_u) with those sums (all-reduced, divided by the width) given."""
+    gate, up = _parts(z, gated)
+    dh = dh.float()
+    iu = 1 if gated else 0
+    uh = _xhat(up, mean, rstd, iu)
+    nu = uh * a_u
+    if gated:
+        gh = _xhat(gate, mean, rstd, 0)
+        ng = gh * a_g
+        pair = _act_and_grad(act, ng) or _act_eager(act, ng)
+        dng, dnu = dh * nu * pair[1], dh * pair[0]
+        xs, gs = [gh, uh], [dng * a_g, dnu * a_u]
+    else:
+        pair = _act_and_grad(act, nu) or _act_eager(act, nu)
+        dnu = dh * pair[1]
+        xs, gs = [uh], [dnu * a_u]
+    if dots is None:
+        return torch.cat([(g * x).sum(-1, keepdim=True) for g, x in zip(gs, xs)]
+                         + [g.sum(-1, keepdim=True) for g in gs], -1)
+    parts = len(xs)
+    dz = []
+    for i, (g, x) in enumerate(zip(gs, xs)):
+        d = g - x * dots[..., i:i + 1]
+        if mean is not None:
+            d = d - dots[..., parts + i:parts + i + 1]
+        dz.append(d * rstd[..., i:i + 1])
+    da_u = (dnu * uh).flatten(0, -2).sum(0)
+    da_g = (dng * gh).flatten(0, -2).sum(0) if gated else None
+    return torch.cat(dz, -1).to(z.dtype), da_g, da_u
+
+
+class _GLUNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n):
+        mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
+        h = _kernel(_glu_fwd, z)(z, mean, rstd, a_g, a_u, act, gated)
+        ctx.save_for_backward(z, mean, rstd, a_g, a_u)
+        ctx.act, ctx.gated, ctx.group, ctx.n = act, gated, group, n
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        z, mean, rstd, a_g, a_u = ctx.saved_tensors
+        args = (dh, z, mean, rstd, a_g, a_u, ctx.act, ctx.gated)
+        kernel = _kernel(_glu_bwd, z)
+        dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
+        dz, da_g, da_u = kernel(*args, dots)
+        return dz, da_g, da_u, None, None, None, None, None, None
+
+
+def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, group=None,
+             width: Optional[int] = None):
+    """``act(a_g N(gate)) * a_u N(up)`` (``act(a_u N(z))`` when not gated); ``z`` = fc1's
+    local output, ``[gate, up]`` halves; N over ``width`` (the logical FFN width)."""
+    layer = _layer_norm(normalization)
+    local = z.shape[-1] // (2 if gated else 1)
+    n = width or local * sharding.group_size(group)
+    if use_reference():
+        gate, up = _parts(z, gated)
+        nu = (_norm_reference(up, layer, eps, group, n) * a_u).to(z.dtype)
+        if not gated:
+            return act(nu)
+        return act((_norm_reference(gate, layer, eps, group, n) * a_g).to(z.dtype)) * nu
+    return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n)
+
+
+# ---------------------------------------------------------------- shared helpers
+
+def _layer_norm(normalization: str) -> bool:
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
+                         f"got {normalization!r}")
+    return normalization == "LayerNorm"
+
+
+def _norm_reference(x, layer: bool, eps: float, group, n: int):
+    """The autograd composite N(x) the fused functions replace (float32)."""
+    from megatron_scalevec.norms import normalize  # noqa: PLC0415 (norms imports this module)
+
+    return normalize(x, "LayerNorm" if layer else "RMSNorm", eps, group, n)

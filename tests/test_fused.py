@@ -1,0 +1,169 @@
+"""Lean fused DNP and the recomputing fold (layers/fused.py, layers/linear.py): equal to the
+autograd composites they replace (output and every gradient), and keeping no full-size tensor
+the stock layer does not keep."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+from megatron_scalevec.bench import saved_activation_bytes
+from megatron_scalevec.layers import fused
+from megatron_scalevec.testing import init_model_parallel, run_on_ranks
+from megatron_scalevec.testing import models as M
+
+TOL = 1e-5
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _both(fn, inputs, dy):
+    """(output, grads) of fn through the fused path and through the reference."""
+    res = []
+    for ctx in (contextlib.nullcontext(), fused.reference()):
+        with ctx:
+            y = fn()
+        res.append((y, *torch.autograd.grad(y, inputs, dy)))
+    return res
+
+
+def _freqs(seq, rot, interleaved):
+    f = torch.randn(seq, 1, 1, rot // 2)
+    return torch.stack([f, f], -1).flatten(-2) if interleaved else torch.cat([f, f], -1)
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot", [16, 8, None])
+def test_head_norm_rope_matches_reference(normalization, interleaved, rot):
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 3, 16, requires_grad=True)
+    a = (1 + 0.3 * torch.randn(16)).requires_grad_()
+    rope = None
+    if rot:
+        freqs = _freqs(5, rot, interleaved)
+        rope = fused.rope_cos_sin(freqs, 1.3, x.dtype)
+        # the reference is megatron-core's own unfused RoPE (mscale included)
+        with fused.reference():
+            ours = fused.head_norm(x, a, 1e-5, normalization, rope, interleaved)
+        with fused.reference():
+            plain = fused.head_norm(x, a, 1e-5, normalization)
+        theirs = _apply_rotary_pos_emb_bshd(plain, freqs, rotary_interleaved=interleaved,
+                                            mscale=1.3)
+        assert _rel(ours, theirs) < 1e-6
+    got, ref = _both(lambda: fused.head_norm(x, a, 1e-5, normalization, rope, interleaved),
+                     (x, a), torch.randn(5, 2, 3, 16))
+    for name, g, r in zip(("out", "dx", "da"), got, ref):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("act", [F.silu, F.gelu, F.relu, torch.tanh], ids=lambda f: f.__name__)
+def test_glu_norm_matches_reference(normalization, gated, act):
+    torch.manual_seed(1)
+    z = torch.randn(7, 2, 24 if gated else 12, requires_grad=True)
+    a_g = (1 + 0.3 * torch.randn(12)).requires_grad_()
+    a_u = (1 + 0.3 * torch.randn(12)).requires_grad_()
+    inputs = (z, a_g, a_u) if gated else (z, a_u)
+    got, ref = _both(lambda: fused.glu_norm(z, a_g if gated else None, a_u, act, gated=gated,
+                                            normalization=normalization, eps=1e-5),
+                     inputs, torch.randn(7, 2, 12))
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert _rel(g, r) < TOL, (i, _rel(g, r))
+
+
+def test_fused_functions_keep_only_output_and_row_statistics():
+    x = torch.randn(6, 2, 4, 16, requires_grad=True)
+    a = torch.ones(16, requires_grad=True)
+    cos, sin = fused.rope_cos_sin(_freqs(6, 16, False), 1.0, x.dtype)
+    out = []
+    nbytes = saved_activation_bytes(
+        lambda: out.append(fused.head_norm(x, a, 1e-5, "RMSNorm", (cos, sin))))
+    small = a.nbytes + cos.nbytes + sin.nbytes + 6 * 2 * 4 * 4  # vector, cos, sin, 1/rms
+    assert nbytes == out[0].nbytes + small
+    z = torch.randn(6, 2, 32, requires_grad=True)
+    a_u = a.detach().clone().requires_grad_()
+    nbytes = saved_activation_bytes(lambda: fused.glu_norm(
+        z, a, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5))
+    assert nbytes == z.nbytes + 2 * a.nbytes + 6 * 2 * 2 * 4  # fc1 output, vectors, 1/rms
+
+
+# ------------------------------------------------------------------ whole models, TP2 / SP
+
+def _model_grads(rank, world, strategy, tp, sp, overrides):
+    """Loss and every local gradient, fused and reference, of one micro-batch."""
+    init_model_parallel(tp=tp)
+    config = M.tiny_config(sequence_parallel=sp, **overrides)
+    model = M.build_gpt(config, strategy)
+    M.perturb_vectors(model)
+    b = M.batches(1, 2)[0]
+    out = {}
+    for name, ctx in (("fused", contextlib.nullcontext()), ("ref", fused.reference())):
+        model.zero_grad()
+        with ctx:
+            loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"]).mean()
+            loss.backward()
+        out[name] = (float(loss), {n: p.grad.clone() for n, p in model.named_parameters()
+                                   if p.grad is not None})
+    return out
+
+
+CASES = {
+    "unified_tp2_sp": ("unified", 2, True, {}),
+    "hg+dnp_tp2": ("hg+dnp", 2, False, {}),
+    "hg+dnp+er_interleaved": ("hg+dnp+er", 1, False, {"rotary_interleaved": True}),
+    "shared_qknorm_layernorm": ("shared", 1, False, {"qk_layernorm": True,
+                                                     "normalization": "LayerNorm"}),
+    "unified_moe_tp2_sp": ("unified", 2, True, {"num_moe_experts": 2, "moe_router_topk": 2,
+                                                "moe_aux_loss_coeff": 0.0}),
+    "hg+dp_tp2_sp": ("hg+dp", 2, True, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_model_matches_reference(case):
+    strategy, tp, sp, overrides = CASES[case]
+    for out in run_on_ranks(_model_grads, tp, strategy, tp, sp, overrides):
+        (loss, grads), (ref_loss, ref_grads) = out["fused"], out["ref"]
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+        assert set(grads) == set(ref_grads) and len(grads) >= 9
+        for n, g in grads.items():
+            # relative to the vector's scale: an OR magnitude / ER alpha gradient is a sum
+            # with cancellation, near 0 against its direction's gradient
+            owner = n.rsplit(".", 1)[0]
+            scale = max(float(r.abs().max()) for k, r in ref_grads.items()
+                        if k.rsplit(".", 1)[0] == owner)
+            err = float((g - ref_grads[n]).abs().max())
+            assert err <= 1e-4 * scale, (case, n, err, scale)
+
+
+def _saved(rank, world, strategies):
+    init_model_parallel()
+    config = M.tiny_config()
+    b = M.batches(1, 2)[0]
+    res = {}
+    for s in strategies:
+        model = M.build_gpt(config, None if s == "stock" else s)
+        res[s] = saved_activation_bytes(
+            lambda m=model: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
+        with fused.reference():
+            res[s + "@ref"] = saved_activation_bytes(
+                lambda m=model: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
+    return res
+
+
+def test_fold_and_dnp_keep_no_weight_or_norm_input():
+    """hg saves what shared saves (+ the vectors): the effective weight is rebuilt in backward;
+    the DNP norms add at most the GQA key/value outputs (attention keeps repeated copies)."""
+    res = run_on_ranks(_saved, 1, ["shared", "hg", "unified"])[0]
+    layers, hidden = 2, 32  # M.tiny_config()
+    vectors = 4 * (hidden * 5)  # fp32 input vectors of q, k, v, gate, up (+ their stacks)
+    assert res["hg"] <= res["shared"] + layers * 2 * vectors
+    assert res["hg@ref"] > res["hg"]  # the autograd fold keeps W_eff
+    assert res["unified"] < res["unified@ref"]
+    assert res["unified"] <= 1.02 * res["shared"], res
