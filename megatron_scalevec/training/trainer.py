@@ -170,7 +170,7 @@ def _data(args):
         train, valid, tok = data.build_datasets(
             args.data_path, args.tokenizer_model, args.seq_length, args.seed, n_train, n_valid,
             split=args.split, cache_dir=args.data_cache_path)
-    return train, valid, tok.vocab_size, data.make_batch_iterator
+    return train, valid, tok, data.make_batch_iterator
 
 
 def _forward_step(data_iterator, model):
@@ -224,7 +224,9 @@ class Trainer:
         model_parallel_cuda_manual_seed(a.seed)
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.log = MetricsLog(a.run_dir, a.tensorboard_dir, a.quiet, append=a.load is not None)
-        self.train_ds, self.valid_ds, vocab, self.make_iter = _data(a)
+        self.train_ds, self.valid_ds, tok, self.make_iter = _data(a)
+        vocab = tok.vocab_size
+        self.tokenizer_model = getattr(tok, "model_path", None)
         self.vocab_size = vocab
         self.config = _transformer_config(a, vocab)
         self.model = build_model(a, self.config, vocab)
@@ -247,18 +249,25 @@ class Trainer:
                          num_attention_heads=a.num_attention_heads,
                          num_query_groups=a.num_query_groups, vocab_size=vocab,
                          num_experts=a.num_experts)
-        if a.load:
+        got = None
+        if a.load and not a.finetune and os.path.isdir(a.load):
             from megatron_scalevec.training.checkpointing import load_checkpoint  # noqa
 
             got = load_checkpoint(a.load, self.model, self.optimizer, self.scheduler,
                                   a.scalevec_config.to_string(), self.meta,
                                   load_optim=not a.no_load_optim)
-            if got is None:
+            if got is None and a.pretrained_checkpoint is None:
                 self.log.print(f"no checkpoint in {a.load}: training from scratch")
-            else:
+            elif got is not None:
                 self.iteration, self.consumed = got
                 self.log.print(f"resumed from {a.load} at iteration {self.iteration} "
                                f"({self.consumed} samples consumed)")
+        if got is None:  # --pretrained-checkpoint / --finetune: training/pretrained.py
+            from megatron_scalevec.training.pretrained import start_from_weights  # noqa
+
+            line = start_from_weights(a, self.model, self.optimizer, vocab)
+            if line:
+                self.log.print(line)
 
     def _iters(self, dataset, consumed):
         from megatron.core import parallel_state as ps  # noqa: PLC0415
@@ -305,10 +314,12 @@ class Trainer:
 
     def save(self):
         from megatron_scalevec.training.checkpointing import save_checkpoint  # noqa: PLC0415
+        from megatron_scalevec.training.pretrained import checkpoint_files  # noqa: PLC0415
 
         save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                         self.scheduler, self.consumed, self.args.scalevec_config.to_string(),
-                        self.meta)
+                        self.meta, extra_files=checkpoint_files(
+                            self.args, self.vocab_size, self.tokenizer_model))
         self.log.print(f"saved checkpoint iteration {self.iteration} to {self.args.save}")
 
     def train(self) -> list:
