@@ -120,11 +120,12 @@ def export(sd: StateDict, arch: ModelArch, out_dir: str, *, overwrite: bool = Fa
 
 
 def load_exported(path: str, dtype: torch.dtype, remote: bool):
-    """The exported model as transformers loads it (remote code only for our own file)."""
+    """The exported model as transformers loads it by default (its default attention
+    implementation; remote code only for our own file)."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=remote,
-                                                attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                trust_remote_code=remote).eval()
 
 
 @torch.no_grad()

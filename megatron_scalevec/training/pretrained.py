@@ -88,12 +88,15 @@ def _unwrap(m):
 
 def _full_name(st, names) -> str:
     """The full-state-dict name (TP=PP=EP=1, global layer and expert numbers) of a sharded
-    tensor: its key, with the expert index of ``experts.experts.`` and the stock spec's
-    checkpoint names of the fused Pre-Norms (``linear_qkv.layer_norm_weight``) undone."""
-    key = st.key
+    tensor. Its prepended axes are, in order, the layer of a homogeneous block (key
+    ``decoder.layers.<name>``) and the expert of ``experts.experts.``; the stock spec's
+    checkpoint names of the fused Pre-Norms (``linear_qkv.layer_norm_weight``) are undone."""
+    key, axis, head = st.key, 0, "decoder.layers."
+    if key.startswith(head) and not key[len(head):].split(".", 1)[0].isdigit():
+        key = f"{head}{st.global_offset[0]}.{key[len(head):]}"
+        axis = 1
     if ".experts.experts." in key:
-        expert = st.global_offset[st.prepend_axis_num - 1]
-        key = key.replace(".experts.experts.", f".experts.local_experts.{expert}.")
+        key = key.replace(".experts.experts.", f".experts.local_experts.{st.global_offset[axis]}.")
     if key not in names:
         key = key.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
         key = key.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
