@@ -378,3 +378,73 @@ def test_trainer_converter_round_trip(tmp_path, tiny_data):
     hf = run_on_ranks(_convert, 1, j("ck3"), j("hf"), "hf")[0]
     assert hf["architecture"] == "ScaleVecQwen3ForCausalLM" and hf["remote_code"]
     assert hf["tokenizer"] and hf["max_logit_diff"] < HF_TOL, hf
+
+
+MOCK = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--eval-interval", "0", "--quiet", "--no-plot", "--lr-warmup-iters", "0"]
+MOE_RUN = ["--spec", "scalevec_moe", "--num-experts", "4", "--moe-ffn-hidden-size", "24",
+           "--train-iters", "1"]
+
+
+def _write_moe_source(rank, world, path):
+    from megatron_scalevec.convert.arch import build_model
+    from megatron_scalevec.convert.io import full_state_dict, save_full
+    from megatron_scalevec.testing.models import perturb_vectors
+
+    arch = _arch(scalevec="unified", tie_embeddings=True, **MOE)
+    model = build_model(arch, seed=7)
+    perturb_vectors(model, 0.3)
+    sd = full_state_dict(model)
+    save_full(sd, arch, path, show_progress=False)
+    return sd
+
+
+def test_pretrained_full_checkpoint_loads_at_ep2_tp2(tmp_path):
+    """Converter full format (whole tensors) -> trainer at EP=2 and at TP=2+SP: every expert
+    and every TP shard lands where it belongs (frozen run, then read back exactly)."""
+    src = run_on_ranks(_write_moe_source, 1, str(tmp_path / "src"))[0]
+    for name, layout in (("ep2", ["--expert-model-parallel-size", "2"]),
+                         ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        out = str(tmp_path / name)
+        run_on_ranks(_train, 2, MOCK + MOE_RUN + FROZEN + layout + [
+            "--moe-aux-loss-coeff", "0", "--pretrained-checkpoint", str(tmp_path / "src"),
+            "--save", out, "--run-dir", out + "_run"])
+        sd, _ = run_on_ranks(_read, 1, out)[0]
+        assert _max_diff(src, sd) == 0.0, name
+
+
+def _refused(rank, world, argv):
+    from megatron_scalevec.training.pretrained import PretrainedError
+    from megatron_scalevec.training.trainer import main
+
+    try:
+        main(argv)
+    except PretrainedError as e:
+        return str(e)
+    return None
+
+
+def test_pretrained_of_another_model_is_refused(tmp_path):
+    run_on_ranks(_write_moe_source, 1, str(tmp_path / "src"))
+    base = MOCK + MOE_RUN + ["--pretrained-checkpoint", str(tmp_path / "src"),
+                             "--run-dir", str(tmp_path / "r")]
+    strategy = run_on_ranks(_refused, 1, base + ["--scalevec", "hg+dp"])[0]
+    assert "holds strategy 'unified', this run trains 'hg+dp'" in strategy
+    assert "--to hg+dp" in strategy
+    width = run_on_ranks(_refused, 1, base + ["--moe-ffn-hidden-size", "32"])[0]
+    assert "moe_ffn_hidden_size: 24 != 32" in width, width
+
+
+def test_finetune_loads_weights_only(tmp_path):
+    """--finetune: weights from --load, iteration 0 (two more steps are trained, not zero),
+    the weights arrive unchanged (frozen run)."""
+    dense = MOCK + ["--spec", "scalevec_dense", "--train-iters"]
+    ck, ft = str(tmp_path / "ck"), str(tmp_path / "ft")
+    run_on_ranks(_train, 1, dense + ["2", "--save", ck, "--run-dir", ck + "_r"])
+    losses = run_on_ranks(_train, 1, dense + ["2", "--finetune", "--load", ck, "--save", ft,
+                                              "--run-dir", ft + "_r"] + FROZEN)[0]
+    assert len(losses) == 2 and open(os.path.join(ft, "latest")).read().strip() == "2"
+    (a, _), (b, _) = (run_on_ranks(_read, 1, p)[0] for p in (ck, ft))
+    assert _max_diff(a, b) == 0.0
