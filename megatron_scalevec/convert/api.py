@@ -51,11 +51,13 @@ def detect(path: str) -> str:
                             f"(metadata.json) or Hugging Face (config.json) checkpoint")
 
 
-def read_checkpoint(path: str, arch: Optional[ModelArch] = None) -> tuple[StateDict, ModelArch]:
-    """(full state dict, arch) of any supported source; HF sources come back as stock."""
+def read_checkpoint(path: str, arch: Optional[ModelArch] = None,
+                    verify: bool = True) -> tuple[StateDict, ModelArch]:
+    """(full state dict, arch) of any supported source; HF sources come back as stock.
+    A checksum manifest beside the files is checked first (``verify=False``: sizes only)."""
     path = resolve_checkpoint(path)
     kind = detect(path)
-    verify_checkpoint_files(path)
+    verify_checkpoint_files(path, hashes=verify)
     if kind == "hf":
         return _hf.import_hf(path)
     if kind == "full":
@@ -93,7 +95,8 @@ def write_checkpoint(sd: StateDict, arch: ModelArch, path: str, fmt: str = "full
 
 def convert(source: str, output: str, target: str, *, arch: Optional[ModelArch] = None,
             fmt: str = "full", allow_function_change: bool = False, overwrite: bool = False,
-            dtype: torch.dtype = torch.float32, tokenizer: Optional[str] = None) -> dict:
+            dtype: torch.dtype = torch.float32, tokenizer: Optional[str] = None,
+            verify: bool = True) -> dict:
     """Convert ``source`` to ``target`` (``stock``, ``hf`` or a strategy) at ``output``.
 
     Returns a report: source/target, and the max logit difference on a sample batch between
@@ -104,7 +107,7 @@ def convert(source: str, output: str, target: str, *, arch: Optional[ModelArch] 
     if tokenizer is not None and not os.path.isfile(tokenizer):
         raise FileNotFoundError(f"tokenizer model {tokenizer!r} does not exist")
     tokenizer = tokenizer or source_tokenizer(source)
-    sd, src_arch = read_checkpoint(source, arch)
+    sd, src_arch = read_checkpoint(source, arch, verify)
     report = {"source": src_arch.scalevec, "target": target}
     if target == "hf":
         from megatron_scalevec.convert.hf_remote import export  # noqa: PLC0415

@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-model",
                     help="SentencePiece model to ship with the output (default: the source's "
                          "tokenizer.model, which the trainer stores in its checkpoints)")
+    ap.add_argument("--no-verify-checkpoint", action="store_true",
+                    help="check only the sizes in the source's checksum manifest, not the "
+                         "SHA-256 of every file (very large checkpoints)")
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
 
@@ -64,7 +67,8 @@ def main(argv=None) -> int:
         report = convert(args.load, args.save, args.to, arch=arch, fmt=args.format,
                          allow_function_change=args.allow_function_change,
                          overwrite=args.overwrite, dtype=dtype,
-                         tokenizer=args.tokenizer_model)
+                         tokenizer=args.tokenizer_model,
+                         verify=not args.no_verify_checkpoint)
     except (ValueError, FileExistsError, FileNotFoundError, ImportError) as e:
         print(f"convert_checkpoint: refused: {e}", file=sys.stderr)  # nothing was written
         return 2

@@ -332,14 +332,19 @@ def resolve_checkpoint(path: str) -> str:
     return found
 
 
-def verify_checkpoint_files(path: str) -> None:
-    """Hook for the checkpoint checksum manifest (issue 11 item 2, training/): verify every
-    file of ``path`` before reading it. A no-op until that verifier exists."""
+def verify_checkpoint_files(path: str, hashes: bool = True) -> None:
+    """Check ``path`` against its checksum manifest (written by the trainer, issue 11 item 2:
+    ``training/ckpt_guard.py``) before reading it; a checkpoint without one passes.
+    ``hashes=False``: sizes only (``--no-verify-checkpoint``). Until that module is merged
+    this is a no-op."""
     try:
-        from megatron_scalevec.training.manifest import verify_manifest  # noqa: PLC0415
+        from megatron_scalevec.training.ckpt_guard import verify_checkpoint  # noqa: PLC0415
     except ImportError:
         return
-    verify_manifest(path)
+    try:
+        verify_checkpoint(path, hashes=hashes)
+    except RuntimeError as e:  # ckpt_guard.CheckpointError: one line naming the file
+        raise ValueError(str(e)) from None
 
 
 def is_dist_checkpoint(path: str) -> bool:

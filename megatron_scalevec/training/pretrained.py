@@ -42,9 +42,12 @@ def run_arch(args, vocab_size: int) -> ModelArch:
         scalevec=STOCK if args.spec == "baseline" else args.scalevec_config.to_string(), **moe)
 
 
-def checkpoint_files(args, vocab_size: int, tokenizer_model: Optional[str]) -> dict:
-    """``{file name: bytes}`` the trainer writes into every checkpoint for the converter."""
-    files = {ARCH_FILE: (run_arch(args, vocab_size).to_json() + "\n").encode()}
+def checkpoint_files(trainer) -> dict:
+    """``{file name: bytes}`` the trainer writes into every checkpoint for the converter: the
+    arch and the SentencePiece model its datasets were tokenized with (none for mock data)."""
+    files = {ARCH_FILE: (run_arch(trainer.args, trainer.vocab_size).to_json() + "\n").encode()}
+    tokenizer = getattr(getattr(trainer.train_ds, "config", None), "tokenizer", None)
+    tokenizer_model = getattr(tokenizer, "model_path", None)
     if tokenizer_model:
         with open(tokenizer_model, "rb") as f:
             files[TOKENIZER_FILE] = f.read()

@@ -170,7 +170,7 @@ def _data(args):
         train, valid, tok = data.build_datasets(
             args.data_path, args.tokenizer_model, args.seq_length, args.seed, n_train, n_valid,
             split=args.split, cache_dir=args.data_cache_path)
-    return train, valid, tok, data.make_batch_iterator
+    return train, valid, tok.vocab_size, data.make_batch_iterator
 
 
 def _forward_step(data_iterator, model):
@@ -224,9 +224,7 @@ class Trainer:
         model_parallel_cuda_manual_seed(a.seed)
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.log = MetricsLog(a.run_dir, a.tensorboard_dir, a.quiet, append=a.load is not None)
-        self.train_ds, self.valid_ds, tok, self.make_iter = _data(a)
-        vocab = tok.vocab_size
-        self.tokenizer_model = getattr(tok, "model_path", None)
+        self.train_ds, self.valid_ds, vocab, self.make_iter = _data(a)
         self.vocab_size = vocab
         self.config = _transformer_config(a, vocab)
         self.model = build_model(a, self.config, vocab)
@@ -318,8 +316,7 @@ class Trainer:
 
         save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                         self.scheduler, self.consumed, self.args.scalevec_config.to_string(),
-                        self.meta, extra_files=checkpoint_files(
-                            self.args, self.vocab_size, self.tokenizer_model))
+                        self.meta, extra_files=checkpoint_files(self))
         self.log.print(f"saved checkpoint iteration {self.iteration} to {self.args.save}")
 
     def train(self) -> list:
