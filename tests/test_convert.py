@@ -331,6 +331,21 @@ def _convert(rank, world, *args, **kw):
     return convert(*args, **kw)
 
 
+def _cli_json(rank, world, argv):
+    import contextlib
+    import importlib.util as iu
+    import io
+    import json
+
+    spec = iu.spec_from_file_location("cc", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
+    cli = iu.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(argv)
+    return rc, json.loads(out.getvalue()) if rc == 0 else None
+
+
 def _read(rank, world, path):
     from megatron_scalevec.convert.api import read_checkpoint
 
@@ -375,7 +390,9 @@ def test_trainer_converter_round_trip(tmp_path, tiny_data):
         "--train-iters", "4", "--pretrained-checkpoint", j("ws"), "--save", j("ck3"),
         "--run-dir", j("r3")])[0]
     assert len(losses) == 4
-    hf = run_on_ranks(_convert, 1, j("ck3"), j("hf"), "hf")[0]
+    rc, hf = run_on_ranks(_cli_json, 1, ["--load", j("ck3"), "--to", "hf", "--save",
+                                         j("hf")])[0]
+    assert rc == 0
     assert hf["architecture"] == "ScaleVecQwen3ForCausalLM" and hf["remote_code"]
     assert hf["tokenizer"] and hf["max_logit_diff"] < HF_TOL, hf
 
