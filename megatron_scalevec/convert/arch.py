@@ -51,6 +51,7 @@ class ModelArch:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_router_pre_softmax: bool = False
     moe_layer_freq: Union[int, list] = 1  # megatron-core: every n-th layer, or 0/1 per layer
+    expert_vectors: str = "per_expert"  # ScaleVecConfig.expert_vectors (MoE, ours only)
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -75,6 +76,12 @@ class ModelArch:
     def replace(self, **changes) -> ModelArch:
         return dataclasses.replace(self, **changes)
 
+    def strategy(self):
+        """The ScaleVecConfig of ``scalevec`` with this arch's MoE reading (not for stock)."""
+        from megatron_scalevec.config import ScaleVecConfig
+
+        return ScaleVecConfig.from_string(self.scalevec, expert_vectors=self.expert_vectors)
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
@@ -96,6 +103,11 @@ class ModelArch:
     def save(self, directory: str) -> None:
         with open(os.path.join(directory, ARCH_FILE), "w") as f:
             f.write(self.to_json() + "\n")
+
+    def differences(self, other: ModelArch, ignore=("max_sequence_length",)) -> list[str]:
+        """``field: ours != theirs`` for every field that differs (``ignore`` aside)."""
+        a, b = dataclasses.asdict(self), dataclasses.asdict(other)
+        return [f"{k}: {a[k]!r} != {b[k]!r}" for k in a if k not in ignore and a[k] != b[k]]
 
     def transformer_config(self, **overrides):
         """megatron-core TransformerConfig at the current parallel layout, fusions off."""
@@ -171,7 +183,7 @@ def build_model(arch: ModelArch, scalevec: Optional[str] = None, seed: int = 123
     else:
         from megatron_scalevec.specs import get_scalevec_block_spec
 
-        spec = get_scalevec_block_spec(config, strategy)
+        spec = get_scalevec_block_spec(config, arch.replace(scalevec=strategy).strategy())
     return GPTModel(
         config, spec, vocab_size=arch.vocab_size, max_sequence_length=arch.max_sequence_length,
         position_embedding_type="rope", rotary_base=int(arch.rotary_base),

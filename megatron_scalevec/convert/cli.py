@@ -15,8 +15,12 @@ Examples::
     python tools/convert_checkpoint.py --load hf_in/ --to hg+dp+or --save ours/
 
 ``--load`` takes our full format, a dist checkpoint saved at any TP/PP (its
-``scalevec_arch.json`` or ``--arch``), or a Hugging Face directory. Outputs are written to a
-temporary directory and renamed at the end; a failed conversion leaves nothing behind.
+``scalevec_arch.json`` or ``--arch``), the trainer's ``--save`` directory (its latest
+``iter_N``) or one ``iter_N`` of it, or a Hugging Face directory. ``--to hf`` writes a stock
+architecture where one fits, else (DNP) our own modeling file for ``trust_remote_code``, and
+ships the tokenizer; the reported difference is measured on the export loaded back. Outputs
+are written to a temporary directory and renamed at the end; a failed conversion leaves
+nothing behind.
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ def main(argv=None) -> int:
                     help="tensor dtype of a Hugging Face export")
     ap.add_argument("--allow-function-change", action="store_true",
                     help="allow a target with DNP (new normalizations change the outputs)")
+    ap.add_argument("--tokenizer-model",
+                    help="SentencePiece model to ship with the output (default: the source's "
+                         "tokenizer.model, which the trainer stores in its checkpoints)")
+    ap.add_argument("--no-verify-checkpoint", action="store_true",
+                    help="check only the sizes in the source's checksum manifest, not the "
+                         "SHA-256 of every file (very large checkpoints)")
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
 
@@ -56,7 +66,9 @@ def main(argv=None) -> int:
     try:
         report = convert(args.load, args.save, args.to, arch=arch, fmt=args.format,
                          allow_function_change=args.allow_function_change,
-                         overwrite=args.overwrite, dtype=dtype)
+                         overwrite=args.overwrite, dtype=dtype,
+                         tokenizer=args.tokenizer_model,
+                         verify=not args.no_verify_checkpoint)
     except (ValueError, FileExistsError, FileNotFoundError, ImportError) as e:
         print(f"convert_checkpoint: refused: {e}", file=sys.stderr)  # nothing was written
         return 2

@@ -11,7 +11,9 @@ every gamma from ``ScaleVector.__call__`` (so OR and ER are resolved by their ow
 * QK norms (``config.qk_layernorm``) -> stock ``q_layernorm`` / ``k_layernorm`` weights;
 * the final norm's gamma -> ``decoder.final_layernorm.weight`` (1 under ``none``).
 
-DNP's norms on V, gate and up have no stock equivalent: refused, naming the branches.
+DNP's norms on V, gate and up have no stock equivalent: refused, naming the branches; with
+``keep_dnp=True`` (the Hugging Face export with our own modeling file, hf_remote.py) their
+gammas come back beside the stock state dict, under their module names + ``.weight``.
 """
 
 from __future__ import annotations
@@ -51,11 +53,17 @@ def _effective_weight(module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fold_to_stock(model, arch: ModelArch):
+def fold_to_stock(model, arch: ModelArch, keep_dnp: bool = False):
     """(stock full state dict, stock arch) computing the same function as ``model``
-    (a scale-vector GPTModel at TP=PP=1, any variant without DNP)."""
+    (a scale-vector GPTModel at TP=PP=1, any variant without DNP). ``keep_dnp``: also
+    accept DNP and return ``(stock sd, stock arch, {v/gate/up norm name: gamma})``."""
     bad = unfoldable_branches(model)
-    if bad:
+    dnp: StateDict = {}
+    if keep_dnp:
+        for name, module in model.named_modules():
+            if name.endswith((".v_norm", ".gate_norm", ".up_norm")) and module is not None:
+                dnp[name + ".weight"] = _gamma_or_ones(module, module.size)
+    elif bad:
         where = "; ".join(f"{b}: {len(layers)} layer(s), e.g. {layers[0]}"
                           for b, layers in bad.items())
         raise FunctionChangeError(
@@ -89,7 +97,7 @@ def fold_to_stock(model, arch: ModelArch):
         out[name] = t.detach().float().clone()
     stock_arch = arch.replace(scalevec="stock", qk_layernorm=has_qk)
     check_names_and_shapes(out, _stock_shapes(stock_arch), "folded state dict")
-    return out, stock_arch
+    return (out, stock_arch, dnp) if keep_dnp else (out, stock_arch)
 
 
 def fold_state_dict(sd: StateDict, arch: ModelArch):

@@ -32,6 +32,24 @@ from megatron_scalevec.convert.arch import ARCH_FILE, ModelArch
 
 StateDict = dict[str, torch.Tensor]
 WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.model"  # a SentencePiece model travelling with the weights
+
+
+def copy_files(files: Optional[dict], directory: str) -> None:
+    """Copy ``{name: source path}`` into ``directory`` (e.g. the tokenizer)."""
+    for name, src in (files or {}).items():
+        shutil.copyfile(src, os.path.join(directory, name))
+
+
+def publishable(directory: str) -> None:
+    """Give a finished output the permissions of a normal directory (``mkdtemp`` makes it
+    0700): dirs 0777 and files 0666, both minus the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _dirs, files in os.walk(directory):
+        os.chmod(root, 0o777 & ~umask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~umask)
 
 
 def require(package: str, extra: str = "convert"):
@@ -112,6 +130,7 @@ def atomic_output_dir(path: str, overwrite: bool = False):
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
         yield tmp
+        publishable(tmp)
         if os.path.exists(path):
             shutil.rmtree(path)
         os.rename(tmp, path)
@@ -152,10 +171,11 @@ def load_safetensors(path: str) -> StateDict:
 
 
 def save_full(sd: StateDict, arch: ModelArch, out_dir: str, overwrite: bool = False,
-              show_progress: bool = True) -> None:
-    """Our full format: ``scalevec_arch.json`` + ``model.safetensors``."""
+              show_progress: bool = True, files: Optional[dict] = None) -> None:
+    """Our full format: ``scalevec_arch.json`` + ``model.safetensors`` (+ ``files``)."""
     with atomic_output_dir(out_dir, overwrite) as tmp:
         arch.save(tmp)
+        copy_files(files, tmp)
         save_safetensors(sd, os.path.join(tmp, WEIGHTS_FILE), {"format": "pt"},
                          show_progress)
 
@@ -218,35 +238,44 @@ def _no_code_unpickling():
         torch.load, fs.pickle = orig_load, orig_pickle
 
 
-def load_dist(ckpt_dir: str, arch: Optional[ModelArch] = None, scalevec: Optional[str] = None):
-    """Build ``arch`` at the current layout and load a dist checkpoint saved at any layout.
-
-    Returns the model. On one process this gives TP=PP=1, so ``full_state_dict(model)`` is
-    the checkpoint's full state dict. A Megatron-LM checkpoint keeps the model's tensors under
-    its own keys, which this reads directly (its pickled ``args`` are never loaded)."""
+def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
+    """``dist_checkpointing.load`` of model tensors only, with no code unpickled: the DCP
+    metadata through the data-only unpickler, ``torch.load`` weights-only, and ``common.pt``
+    (Megatron-LM pickles its args there; our trainer its counters) never read."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
-    from megatron_scalevec.convert.arch import build_model
-
     class TensorsOnly(TorchCommonLoadStrategy):
-        """Never reads ``common.pt`` (Megatron-LM pickles its args there): tensors only."""
-
         def load_common(self, checkpoint_dir):
             return {}
 
         def load_sharded_metadata(self, checkpoint_dir):
             return {}
 
-    arch = arch or ModelArch.load(ckpt_dir)
-    model = build_model(arch, scalevec)
-    sharded = {k: v for k, v in model.sharded_state_dict().items()
-               if not k.endswith("_extra_state")}
     with _no_code_unpickling():
         strategy = get_default_load_sharded_strategy(ckpt_dir)
-        state = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=strategy,
-                                        common_strategy=TensorsOnly())
+        return dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=strategy,
+                                       common_strategy=TensorsOnly())
+
+
+def model_sharded_state_dict(model) -> dict:
+    """The model's sharded tensors without ``_extra_state`` (never needed for weights)."""
+    return {k: v for k, v in model.sharded_state_dict().items()
+            if not k.endswith("_extra_state")}
+
+
+def load_dist(ckpt_dir: str, arch: Optional[ModelArch] = None, scalevec: Optional[str] = None):
+    """Build ``arch`` at the current layout and load a dist checkpoint saved at any layout.
+
+    Returns the model. On one process this gives TP=PP=1, so ``full_state_dict(model)`` is
+    the checkpoint's full state dict. A Megatron-LM checkpoint keeps the model's tensors under
+    its own keys, which this reads directly (its pickled ``args`` are never loaded)."""
+    from megatron_scalevec.convert.arch import build_model
+
+    arch = arch or ModelArch.load(ckpt_dir)
+    model = build_model(arch, scalevec)
+    state = load_sharded(model_sharded_state_dict(model), ckpt_dir)
     missing = [k for k in model.state_dict() if not k.endswith("_extra_state")
                and k not in state]
     if missing:
@@ -255,18 +284,19 @@ def load_dist(ckpt_dir: str, arch: Optional[ModelArch] = None, scalevec: Optiona
     return model
 
 
-def save_dist(model, out_dir: str, arch: ModelArch, overwrite: bool = False) -> None:
+def save_dist(model, out_dir: str, arch: ModelArch, overwrite: bool = False,
+              files: Optional[dict] = None) -> None:
     """Save a model (built at any layout, on every rank) as a layout-free dist checkpoint.
     One process: the atomic-rename rule applies. Several ranks: rank 0 publishes."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    sharded = {k: v for k, v in model.sharded_state_dict().items()
-               if not k.endswith("_extra_state")}
+    sharded = model_sharded_state_dict(model)
     if dist.get_world_size() == 1:
         with atomic_output_dir(out_dir, overwrite) as tmp:
             dist_checkpointing.save(sharded, tmp)
             arch.save(tmp)
+            copy_files(files, tmp)
         return
     tmp = out_dir + ".tmp-dist"
     if dist.get_rank() == 0:
@@ -279,10 +309,42 @@ def save_dist(model, out_dir: str, arch: ModelArch, overwrite: bool = False) -> 
     dist.barrier()
     if dist.get_rank() == 0:
         arch.save(tmp)
+        copy_files(files, tmp)
+        publishable(tmp)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)
     dist.barrier()
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A trainer's ``--save`` directory -> the ``iter_N`` its ``latest`` names; else ``path``."""
+    pointer = os.path.join(path, "latest")
+    if not os.path.isfile(pointer):
+        return path
+    with open(pointer) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{pointer}: corrupt 'latest' pointer {text!r}")
+    found = os.path.join(path, f"iter_{int(text):07d}")
+    if not os.path.isdir(found):
+        raise FileNotFoundError(f"{pointer} names iteration {int(text)} but {found} is missing")
+    return found
+
+
+def verify_checkpoint_files(path: str, hashes: bool = True) -> None:
+    """Check ``path`` against its checksum manifest (written by the trainer, issue 11 item 2:
+    ``training/ckpt_guard.py``) before reading it; a checkpoint without one passes.
+    ``hashes=False``: sizes only (``--no-verify-checkpoint``). Until that module is merged
+    this is a no-op."""
+    try:
+        from megatron_scalevec.training.ckpt_guard import verify_checkpoint  # noqa: PLC0415
+    except ImportError:
+        return
+    try:
+        verify_checkpoint(path, hashes=hashes)
+    except RuntimeError as e:  # ckpt_guard.CheckpointError: one line naming the file
+        raise ValueError(str(e)) from None
 
 
 def is_dist_checkpoint(path: str) -> bool:

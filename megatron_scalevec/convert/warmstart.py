@@ -69,7 +69,7 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                allow_function_change: bool = False, measure: bool = True):
     """Build ``target`` (a strategy string) at TP=PP=1 and fill it from a stock full state
     dict. Returns ``(model, report)``; report: changed branches and max logit difference."""
-    cfg = ScaleVecConfig.from_string(target)
+    cfg = ScaleVecConfig.from_string(target, expert_vectors=arch.expert_vectors)
     changed = dnp_branches(cfg, arch)
     if changed and not allow_function_change:
         raise FunctionChangeError(

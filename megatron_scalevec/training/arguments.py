@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="start from these weights (converter output or a trainer checkpoint) "
+                        "when --load holds no checkpoint; iteration and optimizer start fresh")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the weights from --load; iteration and optimizer reset")
     g.add_argument("--quiet", action="store_true", help="log to the JSONL file only")
     return p
 
@@ -223,8 +228,14 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         a.lr_wsd_decay_iters = a.lr_wsd_decay_iters or max(1, a.lr_decay_iters // 5)
     _need(a.lr_warmup_iters < a.lr_decay_iters or a.lr_decay_style == "constant",
           f"--lr-warmup-iters {a.lr_warmup_iters} must be < --lr-decay-iters {a.lr_decay_iters}")
-    if a.load is not None:
-        _need(os.path.isdir(a.load), f"--load {a.load!r}: no such directory")
+    if a.load is not None:  # with --pretrained-checkpoint, --load may be a new run's folder
+        _need(os.path.isdir(a.load) or a.pretrained_checkpoint is not None,
+              f"--load {a.load!r}: no such directory")
+    if a.pretrained_checkpoint is not None:
+        _need(os.path.isdir(a.pretrained_checkpoint),
+              f"--pretrained-checkpoint {a.pretrained_checkpoint!r}: no such directory")
+    _need(not a.finetune or a.load is not None, "--finetune loads the weights of --load: "
+                                                "pass --load (or use --pretrained-checkpoint)")
     if a.save_interval is not None:
         _need(a.save is not None, "--save-interval needs --save")
     if a.data_path and a.mock_data:

@@ -122,8 +122,11 @@ def _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta
     return sd
 
 
-def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, strategy, meta):
-    """Write ``root/iter_N`` through a temporary folder, then publish ``latest``."""
+def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, strategy, meta,
+                    extra_files=None):
+    """Write ``root/iter_N`` through a temporary folder, then publish ``latest``.
+    ``extra_files`` ({name: bytes}, rank 0) go in with the tensors: the converter's
+    ``scalevec_arch.json`` and the tokenizer (training/pretrained.py)."""
     final, tmp = iter_dir(root, iteration), os.path.join(root, f".tmp_iter_{iteration:07d}")
     if _rank0():
         os.makedirs(root, exist_ok=True)
@@ -134,6 +137,9 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, stra
     dist_checkpointing.save(sd, tmp, validate_access_integrity=True)
     dist.barrier()
     if _rank0():
+        for name, data in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)

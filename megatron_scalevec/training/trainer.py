@@ -247,18 +247,25 @@ class Trainer:
                          num_attention_heads=a.num_attention_heads,
                          num_query_groups=a.num_query_groups, vocab_size=vocab,
                          num_experts=a.num_experts)
-        if a.load:
+        got = None
+        if a.load and not a.finetune and os.path.isdir(a.load):
             from megatron_scalevec.training.checkpointing import load_checkpoint  # noqa
 
             got = load_checkpoint(a.load, self.model, self.optimizer, self.scheduler,
                                   a.scalevec_config.to_string(), self.meta,
                                   load_optim=not a.no_load_optim)
-            if got is None:
+            if got is None and a.pretrained_checkpoint is None:
                 self.log.print(f"no checkpoint in {a.load}: training from scratch")
-            else:
+            elif got is not None:
                 self.iteration, self.consumed = got
                 self.log.print(f"resumed from {a.load} at iteration {self.iteration} "
                                f"({self.consumed} samples consumed)")
+        if got is None:  # --pretrained-checkpoint / --finetune: training/pretrained.py
+            from megatron_scalevec.training.pretrained import start_from_weights  # noqa
+
+            line = start_from_weights(a, self.model, self.optimizer, vocab)
+            if line:
+                self.log.print(line)
 
     def _iters(self, dataset, consumed):
         from megatron.core import parallel_state as ps  # noqa: PLC0415
@@ -305,10 +312,11 @@ class Trainer:
 
     def save(self):
         from megatron_scalevec.training.checkpointing import save_checkpoint  # noqa: PLC0415
+        from megatron_scalevec.training.pretrained import checkpoint_files  # noqa: PLC0415
 
         save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                         self.scheduler, self.consumed, self.args.scalevec_config.to_string(),
-                        self.meta)
+                        self.meta, extra_files=checkpoint_files(self))
         self.log.print(f"saved checkpoint iteration {self.iteration} to {self.args.save}")
 
     def train(self) -> list:

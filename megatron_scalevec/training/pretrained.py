@@ -1,0 +1,212 @@
+"""Trainer <-> converter: what a checkpoint carries for the converter, and starting a run from
+converted weights (``--pretrained-checkpoint``, ``--finetune``; Megatron-LM's meaning).
+
+* Every trainer checkpoint gets ``scalevec_arch.json`` (this run's :class:`ModelArch`) and,
+  when the run has one, its SentencePiece ``tokenizer.model``, so
+  ``convert_checkpoint.py --load <save dir>`` (or ``<save dir>/iter_N``) needs no ``--arch``.
+* ``--pretrained-checkpoint PATH``: when ``--load`` holds no checkpoint yet, the weights come
+  from PATH (converter output, full or dist, or a trainer checkpoint, saved at any layout);
+  iteration, optimizer, scheduler and data position start from zero. A checkpoint in
+  ``--load`` (the same run resumed) takes precedence, as in Megatron-LM.
+* ``--finetune``: the weights only from ``--load``, iteration and optimizer reset.
+
+The source's architecture must equal this run's (strategy included); a mismatch is refused
+naming every differing field, before anything is read. Loading unpickles nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from megatron_scalevec.convert.arch import ARCH_FILE, STOCK, ModelArch
+from megatron_scalevec.convert.io import TOKENIZER_FILE
+
+
+def run_arch(args, vocab_size: int) -> ModelArch:
+    """The :class:`ModelArch` of the model ``trainer.build_model`` builds from ``args``."""
+    moe = {}
+    if args.num_experts:
+        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_layer_freq=args.moe_layer_freq, expert_vectors=args.expert_vectors)
+    return ModelArch(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+        normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        scalevec=STOCK if args.spec == "baseline" else args.scalevec_config.to_string(), **moe)
+
+
+def checkpoint_files(trainer) -> dict:
+    """``{file name: bytes}`` the trainer writes into every checkpoint for the converter: the
+    arch and the SentencePiece model its datasets were tokenized with (none for mock data)."""
+    files = {ARCH_FILE: (run_arch(trainer.args, trainer.vocab_size).to_json() + "\n").encode()}
+    tokenizer = getattr(getattr(trainer.train_ds, "config", None), "tokenizer", None)
+    tokenizer_model = getattr(tokenizer, "model_path", None)
+    if tokenizer_model:
+        with open(tokenizer_model, "rb") as f:
+            files[TOKENIZER_FILE] = f.read()
+    return files
+
+
+class PretrainedError(ValueError):
+    """Weights that cannot start this run (missing, another model, another strategy)."""
+
+
+def _canonical(strategy: str) -> str:
+    from megatron_scalevec.config import ScaleVecConfig  # noqa: PLC0415
+
+    return strategy if strategy == STOCK else ScaleVecConfig.from_string(strategy).to_string()
+
+
+def check_arch(path: str, ours: ModelArch) -> ModelArch:
+    """The source's arch; refused unless it builds the same parameters as this run."""
+    arch_file = os.path.join(path, ARCH_FILE)
+    if not os.path.isfile(arch_file):
+        raise PretrainedError(f"{path}: no {ARCH_FILE}; not converter or trainer output "
+                              f"(convert it with tools/convert_checkpoint.py first)")
+    theirs = ModelArch.load(arch_file)
+    if _canonical(theirs.scalevec) != _canonical(ours.scalevec):
+        raise PretrainedError(
+            f"{path} holds strategy {theirs.scalevec!r}, this run trains {ours.scalevec!r}: "
+            f"convert it first (tools/convert_checkpoint.py --load {path} --to "
+            f"{ours.scalevec} ...) or pass --scalevec {theirs.scalevec}")
+    diff = theirs.replace(scalevec=ours.scalevec).differences(ours)
+    if diff:
+        raise PretrainedError(f"{path} is another model than this run (checkpoint != run): "
+                              f"{'; '.join(diff)}")
+    return theirs
+
+
+def _unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def _full_name(st, names) -> str:
+    """The full-state-dict name (TP=PP=EP=1, global layer and expert numbers) of a sharded
+    tensor. Its prepended axes are, in order, the layer of a homogeneous block (key
+    ``decoder.layers.<name>``) and the expert of ``experts.experts.``; the stock spec's
+    checkpoint names of the fused Pre-Norms (``linear_qkv.layer_norm_weight``) are undone."""
+    key, axis, head = st.key, 0, "decoder.layers."
+    if key.startswith(head) and not key[len(head):].split(".", 1)[0].isdigit():
+        key = f"{head}{st.global_offset[0]}.{key[len(head):]}"
+        axis = 1
+    if ".experts.experts." in key:
+        key = key.replace(".experts.experts.", f".experts.local_experts.{st.global_offset[axis]}.")
+    if key not in names:
+        key = key.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
+        key = key.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+    return key
+
+
+def _fill(st, reader, names: set, used: set) -> torch.Tensor:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: PLC0415
+
+    if isinstance(st, (list, tuple)):
+        return type(st)(_fill(x, reader, names, used) for x in st)
+    if isinstance(st, dict):
+        return {k: _fill(v, reader, names, used) for k, v in st.items()}
+    assert isinstance(st, ShardedTensor), type(st)
+    name = _full_name(st, names)
+    if name not in names:
+        raise PretrainedError(f"the pretrained weights lack {name} (sharded key {st.key})")
+    full = reader.get_tensor(name)
+    n = st.prepend_axis_num
+    if tuple(full.shape) != tuple(st.global_shape[n:]):
+        raise PretrainedError(f"{name}: shape {tuple(full.shape)} in the pretrained weights, "
+                              f"{tuple(st.global_shape[n:])} in this model")
+    used.add(name)
+    index = tuple(slice(o, o + s) for o, s in zip(st.global_offset[n:], st.local_shape))
+    return full[index].clone()
+
+
+def _load_full(path: str, models: list) -> None:
+    """Our full format (one safetensors file of whole tensors) into models at any layout:
+    every sharded tensor of the model (after megatron-core's factories, e.g. the [gate; up]
+    split of fc1) is cut from the whole tensor at its global offset."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory  # noqa: PLC0415
+    from safetensors import safe_open  # noqa: PLC0415
+
+    from megatron_scalevec.convert.io import WEIGHTS_FILE, model_sharded_state_dict  # noqa
+
+    used: set = set()
+    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as reader:
+        names = set(reader.keys())
+        for m in models:
+            local = {}
+            for name, v in model_sharded_state_dict(m).items():
+                if isinstance(v, ShardedTensorFactory):
+                    local[name] = v.merge_fn(_fill(v.build(), reader, names, used))
+                else:
+                    local[name] = _fill(v, reader, names, used)
+            _load_local(m, local, path)
+
+
+def _load_dist(path: str, models: list) -> None:
+    from megatron_scalevec.convert.io import load_sharded, model_sharded_state_dict  # noqa
+
+    sharded = {str(i): model_sharded_state_dict(m) for i, m in enumerate(models)}
+    try:
+        loaded = load_sharded(sharded, path)
+    except BaseException as e:  # noqa: BLE001 -- CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise PretrainedError(f"{path}: loading the weights failed: {type(e).__name__}: "
+                              f"{str(e)[:300]}") from None
+    for i, m in enumerate(models):
+        _load_local(m, loaded[str(i)], path)
+
+
+def _load_local(model, local: dict, path: str) -> None:
+    missing = [k for k in model.state_dict() if not k.endswith("_extra_state")
+               and k not in local]
+    if missing:
+        raise PretrainedError(f"{path} lacks {missing[:8]}")
+    model.load_state_dict(local, strict=False)
+
+
+def load_weights(path: str, model_chunks: list, ours: ModelArch) -> str:
+    """Load weights only from ``path`` into the (DDP-wrapped) chunks; returns the folder
+    read. Works at any TP/PP/EP layout."""
+    from megatron_scalevec.convert.io import (  # noqa: PLC0415
+        is_dist_checkpoint,
+        is_full_checkpoint,
+        resolve_checkpoint,
+        verify_checkpoint_files,
+    )
+
+    try:
+        src = resolve_checkpoint(path)
+    except (ValueError, FileNotFoundError) as e:
+        raise PretrainedError(str(e)) from None
+    check_arch(src, ours)
+    verify_checkpoint_files(src)
+    models = [_unwrap(m) for m in model_chunks]
+    with torch.no_grad():
+        if is_full_checkpoint(src):
+            _load_full(src, models)
+        elif is_dist_checkpoint(src):
+            _load_dist(src, models)
+        else:
+            raise PretrainedError(f"{src}: neither our full format (model.safetensors) nor a "
+                                  f"dist checkpoint (metadata.json)")
+    return src
+
+
+def start_from_weights(args, model_chunks, optimizer, vocab_size: int) -> Optional[str]:
+    """``--finetune`` / ``--pretrained-checkpoint``: weights only, fresh optimizer state.
+    Returns the line to log, or None when neither applies."""
+    path = args.load if args.finetune else args.pretrained_checkpoint
+    if path is None:
+        return None
+    src = load_weights(path, model_chunks, run_arch(args, vocab_size))
+    optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
+    return f"weights from {src} ({'--finetune' if args.finetune else '--pretrained-checkpoint'})" \
+           f": iteration 0, optimizer and scheduler fresh"
