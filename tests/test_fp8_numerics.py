@@ -38,6 +38,9 @@ def test_current_scale_is_max_over_amax():
     # a shared amax smaller than the tensor's own: values saturate at the format's max
     q, inv = fp8.quantize(torch.tensor([1.0, 4.0]), E4, amax=torch.tensor(2.0))
     assert q.float().tolist() == [224.0, 448.0]
+    # E5M2 has infinities: without saturation 4 * 57344/2 would become inf
+    q, _ = fp8.quantize(torch.tensor([1.0, -4.0]), E5, amax=torch.tensor(2.0))
+    assert q.float().tolist() == [28672.0, -57344.0]
 
 
 def test_blockwise_1x128_scales_per_block():
@@ -146,6 +149,22 @@ def test_mean_kept_is_exactly_stock_for_one_vector():
     assert fp8.rel_err(b["dw"], a["dw"]) < 1e-6 and fp8.rel_err(b["dn"], a["dn"]) < 1e-6
 
 
+def test_stock_shares_one_activation_scale_branch_does_not():
+    fb, n, dy = _fused()
+    fb.gin = torch.stack([torch.full((128,), v) for v in (1.0, 1.0, 0.37, 0.5)])  # q, q, k, v
+    fb.gout = torch.ones_like(fb.gout)
+    rec = fp8.recipe("tensorwise")
+    stock = fp8.run_placement(fb, n, dy, "stock", rec)["y"]
+    branch = fp8.run_placement(fb, n, dy, "branch", rec)["y"]
+    q, k = fb.rows_of("q"), fb.rows_of("k")
+    qw = fp8.fake_quant(fb.weight, E4)
+    # stock: k's activation 0.37 * n is quantized with the module's scale (amax of q's n)
+    want_k = fp8.fake_quant(0.37 * n, E4, amax=n.abs().amax()) @ qw[k].t()
+    assert torch.equal(stock[:, k], want_k)
+    assert torch.equal(branch[:, k], fp8.fake_quant(0.37 * n, E4) @ qw[k].t())
+    assert torch.equal(stock[:, q], branch[:, q]) and not torch.equal(stock[:, k], branch[:, k])
+
+
 def test_fp8_errors_are_fp8_sized():
     fb, n, dy = _fused()
     rows = fp8.measure(fb, n, dy, [fp8.recipe("tensorwise"), fp8.recipe("blockwise")])
@@ -187,3 +206,25 @@ def test_bad_recipe_and_placement_fail_clearly():
     fb, n, dy = _fused()
     with pytest.raises(ValueError, match="placement"):
         fp8.run_placement(fb, n, dy, "sideways", None)
+
+
+def test_report_flags_folding_above_1_5x_and_loss_gap():
+    from megatron_scalevec.evidence import fp8_report
+
+    def rows(folded):
+        out = []
+        for p, e in (("stock", 0.02), ("branch", 0.02), ("folded", folded), ("mean_kept", 0.02)):
+            out.append(dict(variant="hg", sigma=0.0, layer=0, module="decoder.layers.0.x",
+                            branch="q", recipe="tensorwise", placement=p, fwd=e, dgrad=e,
+                            wgrad=e))
+        return out
+
+    assert fp8_run.loss_gap([1.0, 1.1, 1.5, 1.6], [1.0, 1.0, 1.0, 1.0], 2) == \
+        pytest.approx((0.05, 0.55))
+    md, flag = fp8_report.report(rows(0.025), {"hg": dict(std=0.1, min=0.5, max=1.5)}, {}, None)
+    assert not flag and "| hg | tensorwise | q | 0.0200" in md
+    _, flag = fp8_report.report(rows(0.031), {}, {}, None)
+    assert flag
+    growing = {"unified": dict(fp32=[5.0] * 40, fp8=[5.0] * 20 + [5.1] * 20, seconds=1.0)}
+    _, flag = fp8_report.report(rows(0.02), {}, growing, None)
+    assert flag

@@ -1,9 +1,12 @@
 """``tools/fp8_numerics.py``: FP8 GEMM errors of every vector placement on trained checkpoints,
 and a short FP8-emulated training comparison; writes CSV, a markdown report and one plot.
 
-Default: train ``shared``, ``hg``, ``hg+dp``, ``unified`` with the embedded default trainer
-(``pretrain_gpt.py --scalevec X --save DIR --train-iters N``; reused when present), measure
-them, then train ``shared`` and ``unified`` (folded) in fp32 and FP8 on a small dense model.
+Default: train ``shared``, ``hg``, ``hg+dp``, ``unified`` with the embedded trainer
+(``pretrain_gpt.py --scalevec X --save DIR --train-iters 60 --spec scalevec_dense
+--num-layers 2 --micro-batch-size 4 --seq-length 64``: the default width, tokenizer and
+corpus, dense, 2 layers and short sequences to keep it to minutes on two cores; pass
+``--trainer-args ''`` for the default MoE), reused when present; measure them; then train
+``shared`` and ``unified`` (folded) in fp32 and FP8 on the same small dense model.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import time
 
 from megatron_scalevec.evidence import fp8, fp8_run
 
+SMALL = "--spec scalevec_dense --num-layers 2 --micro-batch-size 4 --seq-length 64"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/fp8", help="checkpoints, CSV, report (resumable)")
-    p.add_argument("--variants", nargs="+", default=list(fp8_run.VARIANTS))
+    p.add_argument("--variants", nargs="*", default=list(fp8_run.VARIANTS))
     p.add_argument("--load", nargs="*", default=[],
                    help="also measure these trainer checkpoints (strategy read from them)")
-    p.add_argument("--train-iters", type=int, default=100, help="checkpoint training length")
-    p.add_argument("--trainer-args", default="", help="extra flags for the checkpoint runs")
+    p.add_argument("--train-iters", type=int, default=60, help="checkpoint training length")
+    p.add_argument("--trainer-args", default=SMALL,
+                   help="model flags of the checkpoint runs ('': the embedded default MoE)")
     p.add_argument("--batches", type=int, default=1, help="validation micro-batches hooked")
     p.add_argument("--sigmas", nargs="*", type=float, default=[0.0, 1.0, 2.0, 3.0],
                    help="stress: gamma times exp(sigma z) per channel (0 = as trained)")
@@ -33,9 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="strategies of the FP8 training comparison (empty: skip it)")
     p.add_argument("--mean-kept", action="store_true",
                    help="also train unified with the mean-kept fold (the mitigation)")
-    p.add_argument("--compare-iters", type=int, default=100)
-    p.add_argument("--compare-args", default="--spec scalevec_dense --num-layers 2 "
-                   "--hidden-size 128 --seed 1 --eval-interval 1000",
+    p.add_argument("--compare-iters", type=int, default=60)
+    p.add_argument("--compare-args", default=SMALL + " --seed 1 --eval-interval 1000",
                    help="trainer flags of the comparison runs")
     p.add_argument("--figure", default=None, help="also copy the plot here")
     return p
@@ -157,7 +162,7 @@ def _measure(ckpt: str, args, recipes, log) -> tuple[str, list, dict]:
     run_dir = os.path.join(args.out, "measure", os.path.basename(os.path.normpath(ckpt)))
     gam, rows = fp8_run.in_trainer(
         [*argv, "--scalevec", variant, "--load", ckpt, "--no-load-optim", "--run-dir",
-         run_dir, *args.trainer_args.split()], fn)
+         run_dir], fn)
     return variant, rows, gam
 
 
@@ -195,6 +200,9 @@ def main(argv=None) -> None:
             c[mode] = fp8_run.train_run([*base, "--scalevec", s], d, rec, mean_kept=kept)
         c["seconds"] = time.time() - t1
         print(f"[fp8] {key}: fp32 {c['fp32'][-1]:.4f}, fp8 {c['fp8'][-1]:.4f}")
+    if not rows:
+        print("[fp8] no checkpoint measured (empty --variants and --load): no report")
+        return
     with open(os.path.join(args.out, "gemm_errors.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

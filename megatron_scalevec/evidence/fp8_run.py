@@ -236,8 +236,17 @@ def install_fake_fp8(model, rec: fp8.Recipe, mean_kept: bool = False) -> int:
 def train_run(trainer_args: list, run_dir: str, rec: Optional[fp8.Recipe],
               mean_kept: bool = False) -> list:
     """Per-iteration training losses of one trainer run, FP8-emulated when ``rec`` is set."""
+    from megatron_scalevec.evidence.runner import read_metrics  # noqa: PLC0415
     from megatron_scalevec.training import trainer as tr  # noqa: PLC0415
 
+    iters = int(trainer_args[trainer_args.index("--train-iters") + 1])
+    done = [r["loss_last"] for r in read_metrics(run_dir) if "loss_last" in r]
+    if len(done) == iters:  # finished before (one record per iteration): reuse
+        return done
+    if os.path.exists(run_dir):
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(run_dir)
     build = tr.build_model
 
     def build_fp8(args, config, vocab_size):
@@ -249,7 +258,8 @@ def train_run(trainer_args: list, run_dir: str, rec: Optional[fp8.Recipe],
     with contextlib.ExitStack() as stack:
         if rec is not None:
             stack.enter_context(_replaced(tr, "build_model", build_fp8))
-        return tr.main([*trainer_args, "--run-dir", run_dir, "--no-plot", "--quiet"])
+        return tr.main([*trainer_args, "--run-dir", run_dir, "--log-interval", "1", "--no-plot",
+                        "--quiet"])
 
 
 def loss_gap(fp8_losses: list, fp32_losses: list, window: int) -> tuple[float, float]:
