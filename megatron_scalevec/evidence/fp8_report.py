@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import json
 import os
 import time
 
-from megatron_scalevec.evidence import fp8, fp8_run
+from megatron_scalevec.evidence import fp8, fp8_run, runner
 
 SMALL = "--spec scalevec_dense --num-layers 2 --micro-batch-size 4 --seq-length 64"
 
@@ -152,17 +153,30 @@ def plot(rows: list, compare: dict, path: str) -> None:
 
 
 def _measure(ckpt: str, args, recipes, log) -> tuple[str, list, dict]:
+    """(strategy, error rows, gamma stats) of one checkpoint; cached beside its measurement
+    run, keyed by the checkpoint's iteration and the measuring flags."""
     variant, argv = fp8_run.checkpoint_argv(ckpt)
+    run_dir = os.path.join(args.out, "measure", os.path.basename(os.path.normpath(ckpt)))
+    from megatron_scalevec.training.checkpointing import read_latest  # noqa: PLC0415
+
+    key = dict(ckpt=os.path.abspath(ckpt), iteration=read_latest(ckpt), batches=args.batches,
+               sigmas=list(args.sigmas), recipes=list(args.recipes))
+    cache = os.path.join(run_dir, "fp8_rows.json")
+    got = runner.read_json(cache)
+    if got and got.get("key") == key:
+        log(f"[fp8] {variant}: measurement of {ckpt} reused ({cache})")
+        return variant, got["rows"], got["gammas"]
 
     def fn(trainer):
         found = fp8_run.capture(trainer, args.batches)
         return fp8_run.gamma_stats(found), fp8_run.measure_model(
             found, variant, recipes, args.sigmas, log)
 
-    run_dir = os.path.join(args.out, "measure", os.path.basename(os.path.normpath(ckpt)))
     gam, rows = fp8_run.in_trainer(
         [*argv, "--scalevec", variant, "--load", ckpt, "--no-load-optim", "--run-dir",
          run_dir], fn)
+    with open(cache, "w") as f:
+        json.dump(dict(key=key, rows=rows, gammas=gam), f)
     return variant, rows, gam
 
 
