@@ -82,6 +82,22 @@ def report(rows: list, gammas: dict, compare: dict, args) -> tuple[str, bool]:
              _md_table(["variant", "entries std", "min", "max"],
                        [[v, f"{g['std']:.3f}", f"{g['min']:.3f}", f"{g['max']:.3f}"]
                         for v, g in gammas.items()])]
+    summary = collections.defaultdict(list)
+    for (v, s, rec, _b), d in rat.items():
+        summary[(v, rec, s)].append(d)
+    lines = []
+    for (v, rec, s), ds in sorted(summary.items()):
+        worst_b = max(ds, key=lambda d: d["folded_max"])
+        lines.append([v, rec, f"{s:g}",
+                      f"{sum(d['stock_fwd'] for d in ds) / len(ds):.4f}",
+                      f"{worst_b['folded_max']:.2f}",
+                      f"{max(d['folded_worst'] for d in ds):.2f}",
+                      f"{max(d['branch_max'] for d in ds):.2f}",
+                      f"{max(d['mean_kept_max'] for d in ds):.2f}"])
+    parts += ["", "### Summary: error ratio to stock placement, worst branch", "",
+              _md_table(["variant", "recipe", "stress sigma", "stock fwd error (mean)",
+                         "folded÷stock", "folded, worst layer", "branch÷stock",
+                         "mean_kept÷stock"], lines)]
     flag = False
     for sigma in sorted({k[1] for k in rat}):
         lines = []
