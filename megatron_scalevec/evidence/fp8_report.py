@@ -124,10 +124,10 @@ def report(rows: list, gammas: dict, compare: dict, args) -> tuple[str, bool]:
                 grew = late > early + 0.01
                 flag |= grew and name != "shared"
                 lines.append([name, f"{c['fp32'][-1]:.4f}", f"{c['fp8'][-1]:.4f}",
-                              f"{early:+.4f}", f"{late:+.4f}", f"{c['seconds']:.0f}"])
+                              f"{early:+.4f}", f"{late:+.4f}"])
         parts += ["", "### FP8-emulated training (tensorwise, HYBRID), loss vs fp32", "",
                   _md_table(["run", "fp32 final loss", "FP8 final loss",
-                             "gap, first 20 it.", "gap, last 20 it.", "s (both)"], lines)]
+                             "gap, first 20 it.", "gap, last 20 it."], lines)]
     return "\n".join(parts) + "\n", flag
 
 
