@@ -221,7 +221,15 @@ def install_fake_fp8(model, rec: fp8.Recipe, mean_kept: bool = False) -> int:
                 gammas = torch.stack([vec() for vec in mod.scale_in.values()])
                 return fp8.split_common_gamma(gammas)[0]
 
-        def impl(input, weight, *args, bias=None, _common=common, **kwargs):
+        # A folded branch projection receives its stored W here and folds inside its own
+        # _forward_impl (layers/linear.py), which this replaces: fold first.
+        folds = getattr(m, "has_scale_vectors", False) and \
+            getattr(m, "scalevec_mode", None) == "weight"
+
+        def impl(input, weight, *args, bias=None, _m=m, _folds=folds, _common=common,
+                 **kwargs):
+            if _folds:
+                weight = _m.effective_weight(weight)
             if _common is not None:
                 c = _common()
                 input, weight = input * c.to(input.dtype), weight / c.to(weight.dtype)
