@@ -140,6 +140,8 @@ class ExpertSharedVectors(torch.nn.Module):
                 setattr(self, f"{name}_norm", ScaleVecNorm(
                     config, local, config.layernorm_epsilon, scalevec=scalevec, kind="branch",
                     split=True, grad_group=ep, **kw))
+        # Identical on every EP rank after the reduction above: counted once in the grad norm.
+        sharding.mark_replicas(self, ep)
 
     def attach(self, expert: ScaleVecMLP) -> None:
         """Make ``expert`` use these vectors instead of the ones it built (no RNG involved),
