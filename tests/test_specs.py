@@ -63,6 +63,16 @@ def test_qk_layernorm_flag_equals_stock_qk_layernorm():
     assert res["loss"][0] == pytest.approx(res["loss"][1], abs=1e-6)
 
 
+def test_none_with_qk_layernorm_has_no_learnable_norm():
+    """`none` fixes every scale vector to 1, QK-norm's too: its q/k norms have no parameters
+    (each learnable one would show up as a key stock lacks) and the loss equals stock at init."""
+    res = run_on_ranks(_compare_to_stock, 1, "none", {"qk_layernorm": True})[0]
+    assert res["missing"] == [], res["missing"]
+    assert any("q_layernorm" in k for k in res["unexpected"])
+    assert all(k.endswith("layernorm.weight") for k in res["unexpected"]), res["unexpected"]
+    assert res["loss"][0] == pytest.approx(res["loss"][1], abs=1e-6)
+
+
 def _dnp_qk_vs_stock(rank, world):
     init_model_parallel()
     stock = M.build_gpt(M.tiny_config(qk_layernorm=True), None).decoder.layers[0].self_attention
