@@ -44,7 +44,8 @@ class ScaleVecConfig:
         dnp: per-branch normalization, then an output-side vector (QK-norm style).
         parameterization: ``plain``, ``or`` or ``er`` for every vector.
         iwd: individualized weight decay by role.
-        scale_vector_weight_decay: decay for Input-Norm vectors; None = the matrices' value.
+        scale_vector_weight_decay: decay for Input-Norm vectors; None = the matrices' value
+            (and schedule); a value scales with the matrices' schedule (optim.py).
         dp_output_role: IWD role of DP's output vector (reading: ``input``, it is absorbable).
         decay_direction: under OR/ER, also decay the direction part (reading: False).
         apply_mode: how vectors meet a linear layer: ``weight`` folds them into the

@@ -7,7 +7,8 @@ preset loads stock checkpoints key for key. It serves three places:
 * ``kind="pre"``: a Pre-Norm before attention / MLP. It has a vector only for ``shared``
   (under HG the vectors move into the branch projections; under ``none`` there is none).
 * ``kind="final"``: the norm before the output layer; a vector unless ``none``.
-* ``kind="branch"``: DNP's per-branch norm (and QK-norm): always a vector, role Output-Norm.
+* ``kind="branch"``: DNP's per-branch norm (and QK-norm): a vector (role Output-Norm) unless
+  ``none`` (QK-norm without parameters).
 
 Under sequence parallelism a Pre-Norm sees only a shard of the tokens, so its replicated
 vector's gradient is summed over the tensor-parallel group (sharding.py); this is why our
@@ -91,7 +92,7 @@ class ScaleVecNorm(ScaleVector):
         if kind not in ("pre", "final", "branch"):
             raise ValueError(f"ScaleVecNorm kind must be pre, final or branch, got {kind!r}")
         has_vector = {"pre": scalevec.vectors and not scalevec.hg,
-                      "final": scalevec.vectors, "branch": True}[kind]
+                      "final": scalevec.vectors, "branch": scalevec.vectors}[kind]
         if kind != "branch":
             grad_group = sharding.seq_parallel_group(config)
             tp_group = sharding.tp_group(is_expert=False)

@@ -20,8 +20,18 @@ Without IWD the list is Megatron's own default (``other_1d`` + ``matrices``).
 
 Rules become megatron-core ``ParamKey`` -> ``ParamGroupOverride`` entries merged with
 ``get_standard_config_overrides`` (whose 1-D rule ours replaces, since two conflicting
-``wd_mult`` overrides raise). ``wd_mult`` and ``start_wd``/``end_wd`` take effect only when
-``OptimizerParamScheduler.step()`` runs: the trainer steps it once before the first update.
+``wd_mult`` overrides raise). Decay values follow megatron-core's convention, group decay =
+scheduler decay x ``wd_mult``, so the vectors follow the matrices' schedule
+(``start_wd`` -> ``end_wd``):
+
+* ``scale_vector_weight_decay`` unset: Input-Norm vectors sit in the matrices' group.
+* set to ``s`` with matrices' ``weight_decay`` ``w > 0``: ``wd_mult = s / w``, i.e. the
+  vectors' decay is ``s`` when the matrices' is ``w`` and scales with it along the schedule.
+* ``w = 0`` (the matrices never decay): a constant ``s`` (``start_wd = end_wd``).
+
+megatron-core applies ``wd_mult`` only when ``OptimizerParamScheduler.step()`` runs (its
+constructor does); :func:`build_optimizer` sets each group's decay itself, so the first step
+is right whatever constructs (or never constructs) a scheduler.
 
 Muon: megatron-core 0.16.1 ships ``get_megatron_muon_optimizer`` (needs the optional
 ``emerging_optimizers`` package and no distributed optimizer). It orthogonalizes 2-D
@@ -87,14 +97,9 @@ def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> list[DecayRule
         decayed = set(DECAYED_PARTS)
         if scalevec.decay_direction:
             decayed |= {"direction", "logit"}
-        # megatron-core 0.16.1 re-matches param groups at checkpoint load by (wd_mult, lr_mult,
-        # is_expert_parallel, is_decoupled_lr) only, so this group needs a wd_mult of its own:
-        # 2.0 x (svwd / 2), exact in binary floating point, is svwd.
         svwd = scalevec.scale_vector_weight_decay
-        svwd = float(weight_decay if svwd is None else svwd)
-        vec_override: ParamGroupOverride = {"wd_mult": VECTOR_WD_MULT,
-                                            "start_wd": svwd / VECTOR_WD_MULT,
-                                            "end_wd": svwd / VECTOR_WD_MULT}
+        vec_override = vector_override(float(weight_decay), None if svwd is None else
+                                       float(svwd))
         rules += [
             DecayRule("input_vectors",
                       lambda p, n: _role(p) == "input" and _part(p) in decayed,
@@ -109,6 +114,31 @@ def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> list[DecayRule
         DecayRule("matrices", lambda p, n: True, None, required=True, decays=weight_decay > 0),
     ]
     return rules
+
+
+def vector_override(weight_decay: float, svwd: Optional[float]
+                    ) -> Optional[ParamGroupOverride]:
+    """The Input-Norm vectors' override (module docstring). None: the matrices' group.
+
+    megatron-core 0.16.1 re-matches param groups at checkpoint load by (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr) only, so a group of its own needs a wd_mult of its
+    own: never 1.0 (the matrices') unless it is the matrices' group."""
+    if svwd is None or svwd == weight_decay:
+        return None
+    if svwd == 0.0:
+        return NO_DECAY
+    if weight_decay > 0.0:
+        return {"wd_mult": svwd / weight_decay}
+    # 2.0 x (svwd / 2), exact in binary floating point, is svwd.
+    return {"wd_mult": VECTOR_WD_MULT, "start_wd": svwd / VECTOR_WD_MULT,
+            "end_wd": svwd / VECTOR_WD_MULT}
+
+
+def set_initial_weight_decay(optimizer, weight_decay: float) -> None:
+    """Each param group's decay before any scheduler step, as the scheduler would set it at
+    ``weight_decay``: ``start_wd`` (if the group has one, else ``weight_decay``) x ``wd_mult``."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = group.get("start_wd", weight_decay) * group.get("wd_mult", 1.0)
 
 
 def classify(rules: Sequence[DecayRule], param, name: str) -> DecayRule:
@@ -185,6 +215,9 @@ def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecCon
     if use_muon:
         from megatron.core.optimizer.muon import get_megatron_muon_optimizer  # noqa: PLC0415
 
-        return get_megatron_muon_optimizer(config, model_chunks, config_overrides=overrides)
-    return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+        optimizer = get_megatron_muon_optimizer(config, model_chunks, config_overrides=overrides)
+    else:
+        optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+    set_initial_weight_decay(optimizer, config.weight_decay)
+    return optimizer
 

@@ -13,6 +13,14 @@ Rules (one place, so the math modules never mention process groups):
   twice and the rule holds for the expert-tensor-parallel group too.
 * Expert vectors copy ``allreduce`` from their expert weight, so DDP reduces them over the
   expert data-parallel group, never over the dense one.
+* Gradient norm (and so clipping): megatron-core's ``get_main_grads_for_grad_norm`` counts a
+  parameter on every rank of the optimizer's grad-stats group when it carries
+  ``tensor_model_parallel``, else on dense-TP rank 0 only, and never when it is ``shared``.
+  That is right for dense vectors (replicated over the dense TP group or split with
+  ``tensor_model_parallel``). Expert vectors are replicated over the *expert*-TP group, and
+  ``expert_vectors='shared'`` ones also over EP, so :func:`mark_expert` /
+  :func:`mark_replicas` say explicitly which copy counts: every copy carries
+  ``tensor_model_parallel`` and all but one of identical copies carry ``shared``.
 """
 
 from __future__ import annotations
@@ -91,9 +99,24 @@ def mark_split(param: torch.nn.Parameter) -> None:
     set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
-def mark_expert(param: torch.nn.Parameter, allreduce: bool) -> None:
-    """Expert params are reduced by DDP's expert buffers (expert-DP), as their weights are."""
+def mark_expert(param: torch.nn.Parameter, allreduce: bool, *, tp_group=None,
+                split: bool = False) -> None:
+    """Expert params are reduced by DDP's expert buffers (expert-DP), as their weights are;
+    in the grad norm a copy replicated over the expert-TP group counts on its rank 0 only."""
     param.allreduce = allreduce
+    if not split:
+        param.tensor_model_parallel = True  # not "dense-TP rank 0 only" (megatron's default)
+        if group_rank(tp_group) != 0:
+            param.shared = True  # an identical copy of expert-TP rank 0's: not in the norm
+
+
+def mark_replicas(module: torch.nn.Module, group) -> None:
+    """``module``'s parameters hold identical values and gradients on every rank of ``group``
+    (shared expert vectors over EP): only rank 0's copies count in the grad norm."""
+    if group_rank(group) == 0:
+        return
+    for p in module.parameters():
+        p.shared = True
 
 
 def seq_parallel_group(config) -> Optional[object]:

@@ -64,10 +64,11 @@ class ScaleVector(nn.Module):
             p = nn.Parameter(torch.full(shape, init[part], dtype=dtype))
             p.scalevec_role = role
             p.scalevec_part = part
-            if self.split_group is not None and shape != (1,):
+            split_part = self.split_group is not None and shape != (1,)
+            if split_part:
                 sharding.mark_split(p)
             if expert_allreduce is not None:
-                sharding.mark_expert(p, expert_allreduce)
+                sharding.mark_expert(p, expert_allreduce, tp_group=tp_group, split=split_part)
             self.register_parameter(part, p)
 
     @property

@@ -162,7 +162,7 @@ LAYOUTS = {
 def sequential_reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("grouped_ref")
     ref, grads = str(root / "weights"), str(root / "grads")
-    losses = run_on_ranks(_case, 1, False, ref_dir=ref, out_dir=grads)[0]
+    losses = run_on_ranks(_case, 1, False, ref_dir=ref, out_dir=grads)[0]["losses"]
     return ref, grads, losses
 
 
@@ -172,7 +172,8 @@ def test_grouped_matches_sequential_across_layouts(sequential_reference, tmp_pat
     opts = dict(LAYOUTS[layout])
     world = opts.pop("world")
     out = str(tmp_path / "grads")
-    losses = run_on_ranks(_case, world, True, load_dir=ref, out_dir=out, **opts)
+    losses = [r["losses"] for r in run_on_ranks(_case, world, True, load_dir=ref, out_dir=out,
+                                                **opts)]
     assert abs(losses[0][0] - ref_losses[0]) < REL * abs(ref_losses[0]), (losses, ref_losses)
     diffs = run_on_ranks(_rel_diffs, 1, ref_grads, out)[0]
     worst = max(diffs, key=diffs.get)

@@ -23,9 +23,10 @@ OUTPUT = re.compile(r"(q_norm|k_norm|v_norm|gate_norm|up_norm|scale_out\.)")
 def expected_decay(name: str, p, cfg: ScaleVecConfig) -> float:
     """Weight decay SPEC.md asks for, from the name alone."""
     part = name.rsplit(".", 1)[-1]
-    if OUTPUT.search(name) and not (cfg.dp and "scale_out." in name):
+    dp_input = cfg.dp and "scale_out." in name and cfg.dp_output_role == "input"
+    if OUTPUT.search(name) and not dp_input:
         return 0.0
-    if INPUT.search(name) or (cfg.dp and "scale_out." in name):
+    if INPUT.search(name) or dp_input:
         if not cfg.iwd:
             return 0.0 if p.dim() == 1 else WD
         decayed = {"weight", "magnitude", "alpha"}
@@ -36,7 +37,7 @@ def expected_decay(name: str, p, cfg: ScaleVecConfig) -> float:
     return 0.0 if p.dim() == 1 or name.endswith(".bias") else WD
 
 
-def _build(strategy, tp, ep, moe, svwd, dist_opt):
+def _build(strategy, tp, ep, moe, svwd, dist_opt, scheduler=True, **readings):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -45,13 +46,13 @@ def _build(strategy, tp, ep, moe, svwd, dist_opt):
     from megatron_scalevec.testing.models import build_gpt, tiny_config
 
     init_model_parallel(tp=tp, ep=ep)
-    cfg = ScaleVecConfig.from_string(strategy, scale_vector_weight_decay=svwd)
+    cfg = ScaleVecConfig.from_string(strategy, scale_vector_weight_decay=svwd, **readings)
     extra = {}
     if moe:
         extra = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
                      expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
                      sequence_parallel=tp > 1, moe_grouped_gemm=False)
-    model = build_gpt(tiny_config(**extra), strategy)
+    model = build_gpt(tiny_config(**extra), cfg)
     ddp = DistributedDataParallel(
         model.config, DistributedDataParallelConfig(use_distributed_optimizer=dist_opt,
                                                     grad_reduce_in_fp32=True), model)
@@ -59,15 +60,17 @@ def _build(strategy, tp, ep, moe, svwd, dist_opt):
                               use_distributed_optimizer=dist_opt, clip_grad=0.0)
     lines = []
     opt = build_optimizer(opt_cfg, [ddp], cfg, log=lines.append)
-    OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
-                            lr_decay_steps=10, lr_decay_style="constant", start_wd=WD,
-                            end_wd=WD, wd_incr_steps=10, wd_incr_style="constant")
+    if scheduler:
+        OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
+                                lr_decay_steps=10, lr_decay_style="constant", start_wd=WD,
+                                end_wd=WD, wd_incr_steps=10, wd_incr_style="constant")
     return cfg, ddp, opt, lines
 
 
-def _decay_step(rank, world, strategy, tp, ep, moe, svwd, dist_opt):
+def _decay_step(rank, world, strategy, tp, ep, moe, svwd, dist_opt, scheduler=True,
+                **readings):
     """Zero gradients, one step: Adam's update is 0, so p -> p (1 - lr wd). Returns mismatches."""
-    cfg, ddp, opt, lines = _build(strategy, tp, ep, moe, svwd, dist_opt)
+    cfg, ddp, opt, lines = _build(strategy, tp, ep, moe, svwd, dist_opt, scheduler, **readings)
     params = dict(ddp.named_parameters())
     factors = M.zero_grad_step_factors(ddp, opt)
     bad, seen = [], {"input_decayed": 0, "output": 0}
@@ -112,6 +115,62 @@ def test_iwd_plain_vectors_and_decay_direction():
     for bad, seen, _ in run_on_ranks(fn, 1):
         assert not bad, "\n".join(bad)
         assert seen["input_decayed"] > 0
+
+
+def test_iwd_without_scheduler_from_the_first_step():
+    """build_optimizer alone (no OptimizerParamScheduler ever built) gives every group its
+    decay: Output-Norm vectors and OR directions none, scale_vector_weight_decay honoured."""
+    for svwd in (None, SVWD):
+        for bad, seen, _ in run_on_ranks(_decay_step, 1, "unified", tp=1, ep=1, moe=False,
+                                         svwd=svwd, dist_opt=False, scheduler=False):
+            assert not bad, f"svwd={svwd}:\n" + "\n".join(bad)
+            assert seen["input_decayed"] > 0 and seen["output"] > 0
+
+
+@pytest.mark.parametrize("strategy,readings", [
+    ("hg+dp+iwd", {}),                                   # DP vectors: Input-Norm (reading)
+    ("hg+dp+er+iwd", {"dp_output_role": "output"}),      # DP vectors as Output-Norm
+    ("hg+dnp+or+iwd", {"decay_direction": True}),        # OR directions decay too
+    ("hg+dp+er+iwd", {"decay_direction": True}),         # ER logits decay too
+])
+def test_iwd_readings(strategy, readings):
+    """The IWD readings of config.py, 2 ranks TP=2, distributed optimizer, no scheduler."""
+    for bad, seen, _ in run_on_ranks(_decay_step, 2, strategy, tp=2, ep=1, moe=False,
+                                     svwd=SVWD, dist_opt=True, scheduler=False, **readings):
+        assert not bad, "\n".join(bad)
+        assert seen["input_decayed"] > 0
+
+
+def _schedule(rank, world, svwd):
+    """Matrices' decay ramps 0.1 -> 0.5 (linear, 10 steps): the decay per group at step 5."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_scalevec.optim import classify, decay_rules
+
+    cfg, ddp, opt, _ = _build("unified", 1, 1, False, svwd, False, scheduler=False)
+    sched = OptimizerParamScheduler(opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
+                                    lr_decay_steps=10, lr_decay_style="constant", start_wd=0.1,
+                                    end_wd=0.5, wd_incr_steps=10, wd_incr_style="linear")
+    sched.step(5)
+    rules = decay_rules(cfg, WD)
+    names = {id(p): n for n, p in ddp.named_parameters()}
+    out = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            rule = classify(rules, p, names[id(p)]).name
+            out.setdefault(rule, set()).add(round(group["weight_decay"], 12))
+    return out
+
+
+def test_vector_decay_follows_the_matrices_schedule():
+    """Unset: the vectors decay exactly as the matrices (0.3 at step 5 of 0.1 -> 0.5, not the
+    base WD = 0.2); set to SVWD = 3 x WD: three times the matrices' decay along the schedule."""
+    same = run_on_ranks(_schedule, 1, None)[0]
+    assert same["matrices"] == same["input_vectors"] == {0.3}, same
+    scaled = run_on_ranks(_schedule, 1, SVWD)[0]
+    assert scaled["matrices"] == {0.3}
+    assert scaled["input_vectors"] == {round(0.3 * SVWD / WD, 12)}, scaled
+    assert scaled["output_vectors"] == scaled["input_directions"] == {0.0}
 
 
 def _missing_rule(rank, world):

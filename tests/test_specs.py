@@ -63,6 +63,64 @@ def test_qk_layernorm_flag_equals_stock_qk_layernorm():
     assert res["loss"][0] == pytest.approx(res["loss"][1], abs=1e-6)
 
 
+def test_none_with_qk_layernorm_has_no_learnable_norm():
+    """`none` fixes every scale vector to 1, QK-norm's too: its q/k norms have no parameters
+    (each learnable one would show up as a key stock lacks) and the loss equals stock at init."""
+    res = run_on_ranks(_compare_to_stock, 1, "none", {"qk_layernorm": True})[0]
+    assert res["missing"] == [], res["missing"]
+    assert any("q_layernorm" in k for k in res["unexpected"])
+    assert all(k.endswith("layernorm.weight") for k in res["unexpected"]), res["unexpected"]
+    assert res["loss"][0] == pytest.approx(res["loss"][1], abs=1e-6)
+
+
+def _gate_rows(rank, world, strategy):
+    """Perturb one branch vector at a time: how much each of megatron-core's own
+    (q, k, v, gate) split changes."""
+    init_model_parallel()
+    model = M.build_gpt(M.tiny_config(attention_output_gate=True), strategy)
+    attn = model.decoder.layers[0].self_attention
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(M.SEQ, 2, 32, generator=g)
+
+    def split():
+        with torch.no_grad():
+            return attn.get_query_key_value_tensors(x, output_gate=True)
+
+    base = split()
+    res = {}
+    for where in ("scale_in", "scale_out"):
+        for b in ("q", "k", "v", "gate"):
+            vectors = getattr(attn.linear_qkv, where)
+            if b not in vectors:
+                continue
+            vec = vectors[b]
+            p = vec.direction if vec.parameterization == "or" else vec.weight
+            old = p.detach().clone()
+            with torch.no_grad():
+                p.mul_(1 + 0.5 * torch.rand(p.shape, generator=g))
+            res[(where, b)] = [float((o - t).abs().max()) for o, t in zip(split(), base)]
+            with torch.no_grad():
+                p.copy_(old)
+    return res
+
+
+@pytest.mark.parametrize("strategy", ["hg+dp", "unified"])
+def test_output_gate_rows_carry_their_own_vectors(strategy):
+    """attention_output_gate: rows per query group [q x hpg, gate x hpg, k, v]. Changing a
+    branch's vector changes exactly that branch of megatron-core's split, nothing else."""
+    res = run_on_ranks(_gate_rows, 1, strategy)[0]
+    assert ("scale_in", "gate") in res and (("scale_out", "gate") in res) == ("dp" in strategy)
+    for (where, b), errs in res.items():
+        own = ("q", "k", "v", "gate").index(b)
+        assert errs[own] > 1e-3, (where, b, errs)
+        assert max(e for i, e in enumerate(errs) if i != own) == 0.0, (where, b, errs)
+
+
+def test_output_gate_at_init_equals_stock():
+    res = run_on_ranks(_compare_to_stock, 1, "hg+dp", {"attention_output_gate": True})[0]
+    assert abs(res["loss"][0] - res["loss"][1]) < 1e-6 and res["grad_err"] < 1e-5, res
+
+
 def _dnp_qk_vs_stock(rank, world):
     init_model_parallel()
     stock = M.build_gpt(M.tiny_config(qk_layernorm=True), None).decoder.layers[0].self_attention

@@ -76,6 +76,12 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
             f"target {target!r} adds DNP normalizations on branches {changed} that the source "
             f"does not have: the converted model computes a different function. Pass "
             f"allow_function_change=True (--allow-function-change) to convert anyway")
+    if not cfg.vectors and arch.qk_layernorm and not allow_function_change:
+        raise FunctionChangeError(
+            f"target {target!r} has no learnable QK-norm scale (every vector fixed to 1), and "
+            f"the source's q/k_layernorm gammas act after a normalization, so they cannot be "
+            f"folded: the converted model computes a different function. Pass "
+            f"allow_function_change=True (--allow-function-change) to drop them")
     stock_sd = shared_to_stock_names(stock_sd)
     stock_shapes = _stock_shapes(arch)
     check_names_and_shapes(stock_sd, stock_shapes, "source (stock) state dict")
@@ -114,8 +120,10 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                 if key in stock_sd:
                     if norm is None:
                         raise ValueError(f"{key}: the target has no QK norm to receive it")
-                    _set_vector(norm, take(key), f"{p}self_attention.{ours}", key)
-                elif norm is not None:
+                    gamma = take(key)
+                    if norm.enabled:  # 'none': dropped (allowed above)
+                        _set_vector(norm, gamma, f"{p}self_attention.{ours}", key)
+                elif norm is not None and norm.enabled:
                     norm.set_from_gamma(torch.ones(norm.size))
             for name, module in modules.items():  # DNP (dense MLP, experts, shared experts)
                 if name.startswith(p) and name.endswith(_DNP_ONLY) and module is not None:

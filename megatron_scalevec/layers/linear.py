@@ -6,7 +6,11 @@ and every slot belongs to one branch:
 
 * qkv: ``G`` = local query groups, slots = ``[q] * heads_per_group + [k, v]``, ``r`` = head
   dim (megatron-core's interleaved GQA layout). Output vectors are ``R^head_dim``, shared by
-  the heads of a branch (reading), so they are replicated over TP.
+  the heads of a branch (reading), so they are replicated over TP. With
+  ``attention_output_gate`` megatron-core puts the gate rows after the queries,
+  ``[q] * hpg + [gate] * hpg + [k, v]``: the gate is a branch of its own (its own HG
+  vector, and a DP output vector before the sigmoid, foldable like the others); DNP does not
+  normalize it (layers/attention.py normalizes q, k, v only).
 * fc1 (GLU): ``G = 1``, slots = ``[gate, up]``, ``r`` = local FFN width; output vectors are
   ``R^ffn`` and split with the columns. Non-gated: slots = ``[up]``.
 
@@ -49,7 +53,8 @@ def branch_layout(branches: str, config, out_local: int) -> tuple:
                 f">= tensor_model_parallel_size ({tp}): each rank must own whole query groups")
         groups = config.num_query_groups // tp
         hpg = config.num_attention_heads // config.num_query_groups
-        slots = ["q"] * hpg + ["k", "v"]
+        gate = ["gate"] * hpg if getattr(config, "attention_output_gate", False) else []
+        slots = ["q"] * hpg + gate + ["k", "v"]
         return groups, slots, out_local // (groups * len(slots))
     if branches == "fc1":
         slots = ["gate", "up"] if config.gated_linear_unit else ["up"]

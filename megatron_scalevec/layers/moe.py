@@ -94,8 +94,14 @@ class ScaleVecTopKRouter(TopKRouter):
             return super().gating(input)
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
             self.config.moe_router_dtype, input.dtype)
+        # Fold in the router's compute dtype (at least fp32), never rounded to the parameter
+        # dtype first: with bf16 params and moe_router_dtype=fp32 stock routing multiplies
+        # bf16 values in fp32, and so must W_r diag(gamma_r).
+        fold = torch.promote_types(router_dtype, torch.float32)
         gamma = self.scale_in()  # [h], float32
-        weight = (self.weight.float() * gamma).to(self.weight.dtype)  # [E, h]
+        weight = (self.weight.to(fold) * gamma.to(fold)).to(router_dtype)  # [E, h]
+        if weight.dtype != input.dtype and moe_utils.te_general_gemm is not None:
+            input = input.to(weight.dtype)  # TE's GEMM takes a single input dtype
         return moe_utils.router_gating_linear(input, weight, self.bias, router_dtype)
 
 
@@ -140,6 +146,8 @@ class ExpertSharedVectors(torch.nn.Module):
                 setattr(self, f"{name}_norm", ScaleVecNorm(
                     config, local, config.layernorm_epsilon, scalevec=scalevec, kind="branch",
                     split=True, grad_group=ep, **kw))
+        # Identical on every EP rank after the reduction above: counted once in the grad norm.
+        sharding.mark_replicas(self, ep)
 
     def attach(self, expert: ScaleVecMLP) -> None:
         """Make ``expert`` use these vectors instead of the ones it built (no RNG involved),

@@ -97,15 +97,31 @@ def wrap_ddp(model, config, distributed_optimizer: bool = False):
     return DistributedDataParallel(config, ddp_config, model)
 
 
-def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1e-2):
-    cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, bf16=False, fp16=False,
-                          use_distributed_optimizer=distributed_optimizer, clip_grad=0.0)
+LINEAR_ADAM_EPS = 1e4
+
+
+def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1e-2,
+                   optimizer: str = "adam", clip_grad: float = 0.0):
+    """megatron-core's optimizer. Layout checks use ``optimizer="sgd"`` (no momentum): its
+    update is linear in the gradient, so a wrong gradient scale shows (Adam hides it).
+    megatron-core's distributed optimizer takes Adam only; there "sgd" is Adam with
+    ``beta1 = 0`` and ``eps`` far above every ``|g|``: ``lr g / (|g| + eps) = (lr / eps) g``
+    to a relative 1e-4 / eps, i.e. SGD at ``lr``."""
+    kw = dict(optimizer=optimizer, sgd_momentum=0.0)
+    if optimizer == "sgd" and distributed_optimizer:
+        kw = dict(optimizer="adam", adam_beta1=0.0, adam_eps=LINEAR_ADAM_EPS)
+        lr = lr * LINEAR_ADAM_EPS
+    cfg = OptimizerConfig(lr=lr, weight_decay=0.0, bf16=False, fp16=False,
+                          use_distributed_optimizer=distributed_optimizer, clip_grad=clip_grad,
+                          **kw)
     return get_megatron_optimizer(cfg, [ddp_model])
 
 
-def train_steps(ddp_model, config, data: list, steps: int, optimizer=None) -> list:
+def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
+                grad_norms: Optional[list] = None) -> list:
     """Run ``steps`` iterations over this data-parallel rank's share of ``data``
-    (micro-batches); returns the loss of each step averaged over all ranks' micro-batches."""
+    (micro-batches); returns the loss of each step averaged over all ranks' micro-batches.
+    ``grad_norms`` collects the norm each ``optimizer.step()`` returns."""
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = data[dp_rank::dp]
@@ -132,19 +148,24 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None) -> li
         torch.distributed.all_reduce(loss)  # loss lives on the last stage; mean over DP
         losses.append(float(loss) / (dp * parallel_state.get_tensor_model_parallel_world_size()))
         if optimizer is not None:
-            optimizer.step()
+            _, norm, _ = optimizer.step()
+            if grad_norms is not None:
+                grad_norms.append(float(norm))
     return losses
 
 
 def run_case(config, strategy, *, dist_opt: bool = False, steps: int = 0,
              ref_dir: Optional[str] = None, load_dir: Optional[str] = None,
-             out_dir: Optional[str] = None, check=None) -> list:
+             out_dir: Optional[str] = None, check=None, clip_grad: float = 0.0,
+             only_vectors: bool = False, lr: float = 1e-2) -> dict:
     """One layout of the equality harness, on the current parallel layout.
 
     Without ``load_dir`` this is the reference: vectors are perturbed and the weights saved to
-    ``ref_dir``. Otherwise the reference weights are loaded. Then ``steps`` Adam steps (or one
-    forward-backward when 0) over the same global batch; the gradients (steps == 0) or the
-    updated weights are saved to ``out_dir``. ``check(model)`` may assert on the built model.
+    ``ref_dir``. Otherwise the reference weights are loaded. Then ``steps`` plain-SGD steps
+    (clipped at ``clip_grad`` when > 0), or one forward-backward when 0, over the same global
+    batch; the gradients (steps == 0) or the updated weights are saved to ``out_dir``.
+    ``only_vectors`` freezes everything but the scale vectors (so the grad norm is theirs).
+    ``check(model)`` may assert on the built model. Returns ``losses`` and ``grad_norms``.
     """
     model = build_gpt(config, strategy)
     if check is not None:
@@ -154,12 +175,17 @@ def run_case(config, strategy, *, dist_opt: bool = False, steps: int = 0,
         save_model(model, ref_dir)
     else:
         load_model(model, load_dir)
+    if only_vectors:
+        for p in model.parameters():
+            p.requires_grad_(hasattr(p, "scalevec_part"))
     ddp = wrap_ddp(model, config, dist_opt)
-    opt = make_optimizer(ddp, dist_opt) if steps else None
-    losses = train_steps(ddp, config, batches(4, 2), max(steps, 1), opt)
+    opt = make_optimizer(ddp, dist_opt, lr=lr, optimizer="sgd", clip_grad=clip_grad) \
+        if steps else None
+    norms: list = []
+    losses = train_steps(ddp, config, batches(4, 2), max(steps, 1), opt, norms)
     if out_dir:
         (save_model if steps else save_grads)(model, out_dir)
-    return losses
+    return {"losses": losses, "grad_norms": norms}
 
 
 @torch.no_grad()
@@ -210,3 +236,23 @@ def max_differences(a: dict, b: dict) -> dict:
     if set(a) != set(b):
         raise AssertionError(f"checkpoint keys differ: {sorted(set(a) ^ set(b))[:10]}")
     return {k: float((a[k].float() - b[k].float()).abs().max()) for k in a}
+
+
+def relative_mismatches(ref: dict, other: dict, *, rtol: float, tiny: float = 2e-8,
+                        base: Optional[dict] = None) -> list:
+    """Keys where ``max|other - ref| > rtol * max|ref - base| + tiny`` (``base`` absent: 0),
+    i.e. a tolerance relative to each tensor's own scale, so small tensors (OR magnitudes,
+    ER logits: gradients of 1e-6) are checked as strictly as large ones. With ``base`` the
+    weights before the optimizer steps, the updates are compared, not the weights.
+    ``tiny``: an OR magnitude's gradient is a sum that cancels (5e-7 out of terms of 1e-5),
+    so its float32 rounding across layouts reaches ~5e-9 whatever its own size."""
+    if set(ref) != set(other):
+        raise AssertionError(f"checkpoint keys differ: {sorted(set(ref) ^ set(other))[:10]}")
+    bad = []
+    for k in sorted(ref):
+        r = ref[k].double()
+        scale = float((r - base[k].double()).abs().max() if base is not None else r.abs().max())
+        diff = float((other[k].double() - r).abs().max())
+        if diff > rtol * scale + tiny:
+            bad.append(f"{k}: max|diff| {diff:.3e} vs scale {scale:.3e}")
+    return bad
