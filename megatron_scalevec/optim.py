@@ -183,8 +183,8 @@ def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecCon
         log(summary)
     overrides = config_overrides(rules, config)
     if use_muon:
-        from megatron.core.optimizer.muon import get_megatron_muon_optimizer  # noqa: PLC0415
+        from megatron_scalevec.compat.mcore import get_muon_optimizer  # noqa: PLC0415
 
-        return get_megatron_muon_optimizer(config, model_chunks, config_overrides=overrides)
+        return get_muon_optimizer(config, model_chunks, overrides)
     return get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
 

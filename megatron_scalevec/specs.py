@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from typing import Optional, Union
 
 from megatron.core import parallel_state
@@ -36,6 +35,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import ScaleVecMLP, ScaleVecSelfAttention
 from megatron_scalevec.layers.moe import (
@@ -49,15 +49,7 @@ from megatron_scalevec.norms import ScaleVecNorm
 StrategyLike = Union[str, ScaleVecConfig]
 
 
-class _QuietCustomMLP(logging.Filter):
-    """TransformerLayer warns "Unknown MLP type" for any MLP class it does not list by
-    identity (ours included) and then builds it correctly with default kwargs."""
-
-    def filter(self, record):
-        return not record.getMessage().startswith("Unknown MLP type")
-
-
-logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietCustomMLP())
+mcore.quiet_known_notices()  # "Unknown MLP type" for ours; 0.19's GPTModel notice
 
 
 def as_config(scalevec: StrategyLike) -> ScaleVecConfig:

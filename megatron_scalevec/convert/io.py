@@ -224,20 +224,10 @@ def load_dist(ckpt_dir: str, arch: Optional[ModelArch] = None, scalevec: Optiona
     Returns the model. On one process this gives TP=PP=1, so ``full_state_dict(model)`` is
     the checkpoint's full state dict. A Megatron-LM checkpoint keeps the model's tensors under
     its own keys, which this reads directly (its pickled ``args`` are never loaded)."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
+    from megatron_scalevec.compat.mcore import load_tensors_only
     from megatron_scalevec.convert.arch import build_model
-
-    class TensorsOnly(TorchCommonLoadStrategy):
-        """Never reads ``common.pt`` (Megatron-LM pickles its args there): tensors only."""
-
-        def load_common(self, checkpoint_dir):
-            return {}
-
-        def load_sharded_metadata(self, checkpoint_dir):
-            return {}
 
     arch = arch or ModelArch.load(ckpt_dir)
     model = build_model(arch, scalevec)
@@ -245,8 +235,8 @@ def load_dist(ckpt_dir: str, arch: Optional[ModelArch] = None, scalevec: Optiona
                if not k.endswith("_extra_state")}
     with _no_code_unpickling():
         strategy = get_default_load_sharded_strategy(ckpt_dir)
-        state = dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=strategy,
-                                        common_strategy=TensorsOnly())
+        # never the common state (Megatron-LM pickles its args there): tensors only
+        state = load_tensors_only(sharded, ckpt_dir, strategy)
     missing = [k for k in model.state_dict() if not k.endswith("_extra_state")
                and k not in state]
     if missing:
