@@ -19,17 +19,25 @@ working. The rest of the package calls these helpers and never branches on the v
     gone (``common_strategy`` must be      importable: pass one that reads nothing; else the
     None); 0.19: the common state lives    module-level reader(s) of ``serialization`` are
     inside the torch_dist files            stubbed for the duration of the load
-4   0.17: ``grouped_gemm_util`` removed    the module imports
-5   0.17: the router is called with        ``is_mtp_layer`` in the router's forward signature
-    ``is_mtp_layer=``                      (callers pass ``**kwargs`` through)
-6   0.18: ``MLP`` / experts / shared       ``build_kwargs(cls, ...)`` keeps only the keywords
-    experts / ``MoELayer`` take ``name=``, the class's ``__init__`` accepts
-    ``MLP`` also ``is_mtp_layer=``
-7   0.18: ``SelfAttention`` with           ``qk_norm_spec()`` returns the norm class for the
-    ``qk_layernorm`` needs a norm class    q/k layernorm submodules; harmless on 0.16
-    in the spec
-8   0.19: ``GPTModel`` logs a deprecation  ``quiet_gpt_model_deprecation()`` filters that one
-    notice pointing at ``HybridModel``     record on the model module's logger
+4   0.17: the router is built with        ``accepted_kwargs(cls, ...)`` keeps only the
+    ``is_mtp_layer=``; 0.18: ``MLP`` gets  keywords the class's ``__init__`` names; our
+    ``config=, pg_collection=,             subclasses take the new keywords and pass on what
+    is_mtp_layer=, name=`` (through        their base accepts
+    ``MLP.as_mlp_submodule``), experts /
+    shared experts / ``MoELayer`` get
+    ``name=``
+5   0.18: with ``qk_layernorm``            no detection needed: layers/attention.py fills the
+    ``SelfAttention`` needs a norm class   stock q/k slots with ``IdentityOp`` (valid on every
+    in the spec                            release) and applies its own norms
+6   0.17: ``grouped_gemm_util`` removed    not used any more (our grouped experts use
+                                           torch's grouped_mm, layers/grouped.py)
+7   0.19: ``GPTModel`` logs a deprecation  ``quiet_known_notices()``: once per process
+    notice on every construction
+8   0.18: Muon is built by                 ``get_muon_optimizer``: megatron's
+    ``get_megatron_optimizer`` from        ``_get_megatron_emerging_optimizer`` present, else
+    ``optimizer='muon'``; the old getter   ``optimizer.muon.get_megatron_muon_optimizer``
+    is a shim that keeps the optimizer
+    name (so it would build Adam)
 ==  =====================================  ===================================================
 """
 
