@@ -16,11 +16,12 @@ model is built:
   summary line to stdout. (Megatron's MoE aux-loss tracker would need no wrap but is only read
   for MoE models and sums per micro-batch; these statistics are per-parameter, not per-batch.)
 
-Guards: nothing happens unless ``megatron.training`` is importable and megatron-core reports
-the version this was checked against (:data:`CHECKED_CORE_VERSION`, Megatron-LM tag
-:data:`MEGATRON_LM_TAG`); otherwise a warning says why and Megatron-LM runs unchanged
+Guards: nothing happens unless ``megatron.training`` is importable and megatron-core reports a
+release line this was checked against (:data:`MEGATRON_LM_TAGS`: 0.16 to 0.19, each with its
+Megatron-LM tag); otherwise a warning says why and Megatron-LM runs unchanged
 (``MEGATRON_SCALEVEC_FORCE_INSTALL=1`` installs anyway when the wrapped names exist).
-Installing twice is a no-op.
+``get_megatron_muon_optimizer`` is wrapped where it exists (Megatron-LM up to 0.17; from 0.18
+Muon is built by ``get_megatron_optimizer`` itself). Installing twice is a no-op.
 
 Strategy (no new CLI flags; Megatron-LM rejects unknown ones): the ``--spec`` attributes carry
 the unified strategy (hg+dnp+or+iwd). The environment variable ``MEGATRON_SCALEVEC`` (any
@@ -45,14 +46,15 @@ from megatron_scalevec.config import ScaleVecConfig
 
 logger = logging.getLogger(__name__)
 
-CHECKED_CORE_VERSION = "0.16.1"
-MEGATRON_LM_TAG = "core_v0.16.1"
+# megatron-core release line -> the Megatron-LM tag whose training loop this was checked on
+MEGATRON_LM_TAGS = {"0.16": "core_v0.16.1", "0.17": "core_v0.17.1", "0.18": "core_v0.18.2",
+                    "0.19": "core_v0.19.0"}
 ENV_STRATEGY = "MEGATRON_SCALEVEC"
 ENV_VECTOR_WD = "MEGATRON_SCALEVEC_VECTOR_WD"
 ENV_FORCE = "MEGATRON_SCALEVEC_FORCE_INSTALL"
 SPEC_ATTRS = ("scalevec_dense", "scalevec_moe")
-WRAPPED = ("get_megatron_optimizer_config", "get_megatron_optimizer",
-           "get_megatron_muon_optimizer", "training_log")
+WRAPPED = ("get_megatron_optimizer_config", "get_megatron_optimizer", "training_log")
+OPTIONAL = ("get_megatron_muon_optimizer",)  # gone from training.py in Megatron-LM 0.18
 _MARK = "__scalevec_original__"
 
 _state: dict = {"installed": False, "model": None, "scalevec": None}
@@ -271,11 +273,13 @@ def install() -> bool:
         return False  # not inside Megatron-LM: nothing to install
     missing = [n for n in WRAPPED if not hasattr(training, n)]
     force = os.environ.get(ENV_FORCE, "") == "1"
-    if (core_version != CHECKED_CORE_VERSION and not force) or missing:
+    line = ".".join(core_version.split(".")[:2])
+    if (line not in MEGATRON_LM_TAGS and not force) or missing:
+        checked = ", ".join(f"{k} ({v})" for k, v in MEGATRON_LM_TAGS.items())
         warnings.warn(
             f"megatron_scalevec: Megatron-LM integration NOT installed (megatron-core "
-            f"{core_version}, checked against {CHECKED_CORE_VERSION} = Megatron-LM tag "
-            f"{MEGATRON_LM_TAG}; missing names: {missing or 'none'}). The model still uses the "
+            f"{core_version}, checked against {checked}; missing names: "
+            f"{missing or 'none'}). The model still uses the "
             f"scale-vector spec, but IWD falls back to Megatron's default weight decay and no "
             f"scale-vector statistics are logged. Set {ENV_FORCE}=1 to try anyway.",
             stacklevel=2)

@@ -213,9 +213,9 @@ def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecCon
         log(summary)
     overrides = config_overrides(rules, config)
     if use_muon:
-        from megatron.core.optimizer.muon import get_megatron_muon_optimizer  # noqa: PLC0415
+        from megatron_scalevec.compat.mcore import get_muon_optimizer  # noqa: PLC0415
 
-        optimizer = get_megatron_muon_optimizer(config, model_chunks, config_overrides=overrides)
+        optimizer = get_muon_optimizer(config, model_chunks, overrides)
     else:
         optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
     set_initial_weight_decay(optimizer, config.weight_decay)

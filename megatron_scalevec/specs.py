@@ -9,13 +9,14 @@
   config registered with :func:`building` (our trainer) or from Megatron-LM's parsed args.
   A layer-only spec would get megatron-core's default final norm, which has a plain gamma and
   refuses sequence parallelism, hence a block spec.
+* :func:`scalevec_moe_spec` / :func:`scalevec_dense_spec` -- the same as callables of the
+  config (``vp_stage=`` keyword), the form Megatron-Bridge providers take.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from typing import Optional, Union
 
 from megatron.core import parallel_state
@@ -36,6 +37,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import ScaleVecMLP, ScaleVecSelfAttention
 from megatron_scalevec.layers.moe import (
@@ -49,15 +51,7 @@ from megatron_scalevec.norms import ScaleVecNorm
 StrategyLike = Union[str, ScaleVecConfig]
 
 
-class _QuietCustomMLP(logging.Filter):
-    """TransformerLayer warns "Unknown MLP type" for any MLP class it does not list by
-    identity (ours included) and then builds it correctly with default kwargs."""
-
-    def filter(self, record):
-        return not record.getMessage().startswith("Unknown MLP type")
-
-
-logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietCustomMLP())
+mcore.quiet_known_notices()  # "Unknown MLP type" for ours; 0.19's GPTModel notice
 
 
 def as_config(scalevec: StrategyLike) -> ScaleVecConfig:
@@ -210,6 +204,22 @@ def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
                                   grouped_gemm=config.moe_grouped_gemm) if any(pattern) else None
     specs = [moe if pattern[offset + i] else dense for i in range(n)]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_spec(cfg, "final"))
+
+
+def scalevec_moe_spec(config, vp_stage: Optional[int] = None, *,
+                      scalevec: StrategyLike = "unified") -> TransformerBlockSubmodules:
+    """The callable form (Megatron-Bridge ``transformer_layer_spec=``, Megatron-LM's
+    ``f(config, vp_stage=)``): this stage's block, MoE per layer from the config."""
+    return get_scalevec_block_spec(config, scalevec, vp_stage)
+
+
+def scalevec_dense_spec(config, vp_stage: Optional[int] = None, *,
+                        scalevec: StrategyLike = "unified") -> TransformerBlockSubmodules:
+    """The dense callable form; a config with ``num_moe_experts`` is refused, not half-used."""
+    if config.num_moe_experts:
+        raise ValueError(f"scalevec_dense_spec: the config has num_moe_experts="
+                         f"{config.num_moe_experts}; use scalevec_moe_spec")
+    return get_scalevec_block_spec(config, scalevec, vp_stage)
 
 
 _BUILD_STACK: list = []

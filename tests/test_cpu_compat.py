@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from megatron.core import dist_checkpointing, jit, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -20,6 +19,7 @@ from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe import moe_utils
 
+from megatron_scalevec.compat import mcore
 from megatron_scalevec.compat.cpu import enable_cpu_compat, is_cpu_compat_enabled
 from megatron_scalevec.testing import gather_full_tensor, init_model_parallel, run_on_ranks
 
@@ -338,14 +338,16 @@ def test_moe_alltoall_matches_ep1(world, ep, etp):
 
 def _ckpt_case(rank, world, ckpt_dir):
     queues = []
-    orig = filesystem_async._get_write_results_queue
 
-    def spy():
-        q = orig()
-        queues.append(type(q))
-        return q
+    def spy(orig):
+        def results_queue(*args, **kwargs):
+            q = orig(*args, **kwargs)
+            queues.append(type(q))
+            return q
 
-    filesystem_async._get_write_results_queue = spy
+        return results_queue
+
+    mcore.patch_results_queue(spy)
     init_model_parallel(tp=2)
     model = build_gpt(tiny_config())
     expected = full_params(model)

@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU with gloo: the one compatibility layer.
+"""Run megatron-core (0.16.1-0.19.x) on CPU with gloo: the one compatibility layer.
 
 ``enable_cpu_compat()`` does nothing when CUDA is available. Otherwise it installs the patches
 below once (idempotent) and returns True. Call it before importing megatron (then megatron is
@@ -59,6 +59,8 @@ import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_scalevec.compat import mcore
 
 __all__ = ["enable_cpu_compat", "is_cpu_compat_enabled"]
 
@@ -239,7 +241,6 @@ def _uneven_all_gather(orig):
 
 def _patch_megatron():
     from megatron.core import jit
-    from megatron.core.dist_checkpointing.strategies import base, filesystem_async
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -264,11 +265,17 @@ def _patch_megatron():
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
-    orig_queue = filesystem_async._get_write_results_queue
-    filesystem_async._get_write_results_queue = lambda: (
-        queue.Queue() if getattr(_SYNC_SAVE, "active", False) else orig_queue()
-    )
-    orig_save = base.AsyncSaveShardedStrategy.save
+    # patch 10; the factory and the class that owns the sync save() moved in 0.17 (mcore.py)
+    def sync_queue(orig):
+        @functools.wraps(orig)
+        def results_queue(*args, **kwargs):
+            return queue.Queue() if getattr(_SYNC_SAVE, "active", False) else orig(*args, **kwargs)
+
+        return results_queue
+
+    mcore.patch_results_queue(sync_queue)
+    strategy = mcore.sync_save_strategy_class()
+    orig_save = strategy.save
 
     @functools.wraps(orig_save)
     def save(self, *args, **kwargs):
@@ -278,7 +285,7 @@ def _patch_megatron():
         finally:
             _SYNC_SAVE.active = False
 
-    base.AsyncSaveShardedStrategy.save = save
+    strategy.save = save
 
 
 def _enter_mode_in_this_thread():

@@ -240,23 +240,15 @@ def _no_code_unpickling():
 
 def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
     """``dist_checkpointing.load`` of model tensors only, with no code unpickled: the DCP
-    metadata through the data-only unpickler, ``torch.load`` weights-only, and ``common.pt``
-    (Megatron-LM pickles its args there; our trainer its counters) never read."""
-    from megatron.core import dist_checkpointing
+    metadata through the data-only unpickler, ``torch.load`` weights-only, and the common
+    state (Megatron-LM pickles its args there; our trainer its counters) never read."""
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 
-    class TensorsOnly(TorchCommonLoadStrategy):
-        def load_common(self, checkpoint_dir):
-            return {}
-
-        def load_sharded_metadata(self, checkpoint_dir):
-            return {}
+    from megatron_scalevec.compat.mcore import load_tensors_only
 
     with _no_code_unpickling():
         strategy = get_default_load_sharded_strategy(ckpt_dir)
-        return dist_checkpointing.load(sharded, ckpt_dir, sharded_strategy=strategy,
-                                       common_strategy=TensorsOnly())
+        return load_tensors_only(sharded, ckpt_dir, strategy)
 
 
 def model_sharded_state_dict(model) -> dict:

@@ -13,8 +13,11 @@ keeping only the rotated output attention keeps anyway. The norms are
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fused
@@ -36,6 +39,9 @@ class ScaleVecSelfAttention(SelfAttention):
         if submodules.q_layernorm is not None or submodules.k_layernorm is not None:
             raise ValueError("ScaleVecSelfAttention builds its own q/k norms; leave the stock "
                              "q_layernorm/k_layernorm submodules unset")
+        if config.qk_layernorm:  # from 0.18 the stock slots must name a class: no-op ones
+            submodules = dataclasses.replace(submodules, q_layernorm=IdentityOp,
+                                             k_layernorm=IdentityOp)
         super().__init__(config, submodules, layer_number, **kwargs)
         self.scalevec = scalevec
         if config.num_query_groups < self.world_size:

@@ -192,7 +192,8 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
 
     _grouped = True
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None, *, scalevec):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None, *,
+                 scalevec):
         if not grouped_mm_available():
             raise RuntimeError(f"grouped experts need torch.nn.functional.grouped_mm (torch "
                                f">= 2.8), this is torch {torch.__version__}")
@@ -201,7 +202,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                 raise NotImplementedError(f"grouped experts without TE do not support "
                                           f"config.{flag}; use transformer_impl="
                                           f"'transformer_engine' or grouped_gemm=False")
-        super().__init__(num_local_experts, config, submodules, pg_collection,
+        super().__init__(num_local_experts, config, submodules, pg_collection, name,
                          scalevec=scalevec)
         align = 16 // self.config.params_dtype.itemsize
         ffn = self.config.moe_ffn_hidden_size // sharding.group_size(self.tp_group)

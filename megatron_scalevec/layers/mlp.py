@@ -13,6 +13,7 @@ from __future__ import annotations
 from megatron.core.transformer.mlp import MLP
 
 from megatron_scalevec import sharding
+from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fused
 from megatron_scalevec.norms import ScaleVecNorm
@@ -22,14 +23,19 @@ class ScaleVecMLP(MLP):
     """megatron-core MLP + DNP norms (``gate_norm``, ``up_norm``) after ``linear_fc1``."""
 
     def __init__(self, config, submodules, *, scalevec: ScaleVecConfig, is_expert=False,
-                 input_size=None, ffn_hidden_size=None, tp_group=None):
+                 input_size=None, ffn_hidden_size=None, tp_group=None, pg_collection=None,
+                 is_mtp_layer=False, name=None):
+        # pg_collection / is_mtp_layer / name: what TransformerLayer passes from 0.18 on
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
         width = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
         tp = sharding.group_size(tp_group or sharding.tp_group(is_expert))
         if scalevec.dnp and width % tp:
             raise ValueError(f"DNP: ffn_hidden_size {width} does not split over {tp} "
                              f"tensor-parallel ranks, so its norm cannot be laid out")
-        super().__init__(config, submodules, is_expert=is_expert, input_size=input_size,
-                         ffn_hidden_size=ffn_hidden_size, tp_group=tp_group)
+        super().__init__(config, submodules, **mcore.accepted_kwargs(
+            MLP, is_expert=is_expert, input_size=input_size, ffn_hidden_size=ffn_hidden_size,
+            tp_group=tp_group, name=name))
         self.scalevec = scalevec
         self.gate_norm = self.up_norm = None
         if not scalevec.dnp:

@@ -61,6 +61,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from megatron_scalevec import sharding
+from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers.mlp import ScaleVecMLP
 from megatron_scalevec.norms import ScaleVecNorm
@@ -78,8 +79,10 @@ class ScaleVecTopKRouter(TopKRouter):
     weight itself keeps megatron-core's ``sequence_parallel`` attribute and reduction).
     """
 
-    def __init__(self, config, pg_collection=None, *, scalevec: ScaleVecConfig):
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config, pg_collection=None, is_mtp_layer=False, *,
+                 scalevec: ScaleVecConfig):
+        super().__init__(**mcore.accepted_kwargs(
+            TopKRouter, config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer))
         self.scalevec = scalevec
         self.scale_in = None
         if scalevec.hg and scalevec.vectors:
@@ -201,16 +204,18 @@ class ScaleVecSequentialMLP(SequentialMLP):
     _grouped = False  # True for layers/grouped.py's subclass (same experts, grouped GEMMs)
 
     def __init__(self, num_local_experts, config, submodules: MLPSubmodules,
-                 pg_collection=None, *, scalevec: ScaleVecConfig):
+                 pg_collection=None, name=None, *, scalevec: ScaleVecConfig):
         if config.moe_grouped_gemm and not self._grouped:
             raise ValueError("config.moe_grouped_gemm=True, but this MoE spec was built with "
                              "sequential experts: build it with moe_spec(..., grouped_gemm=True)")
-        super().__init__(0, config, submodules, pg_collection=pg_collection)
+        super().__init__(0, config, submodules, **mcore.accepted_kwargs(
+            SequentialMLP, pg_collection=pg_collection, name=name))
         self.num_local_experts = num_local_experts
-        for _ in range(num_local_experts):
+        for i in range(num_local_experts):
             self.local_experts.append(ScaleVecMLP(
                 self.config, submodules, scalevec=scalevec, is_expert=True,
-                ffn_hidden_size=self.config.moe_ffn_hidden_size, tp_group=self.tp_group))
+                ffn_hidden_size=self.config.moe_ffn_hidden_size, tp_group=self.tp_group,
+                name=f"{name}.local_experts.{i}" if name is not None else None))
         self.shared_vectors = None
         if scalevec.expert_vectors == "shared" and num_local_experts and \
                 (scalevec.hg or scalevec.dp or scalevec.dnp):
@@ -256,14 +261,15 @@ class ScaleVecSharedExpertMLP(SharedExpertMLP, _DeferredScaleVecMLP):
     ``forward`` run around our DNP forward.
     """
 
-    def __init__(self, config, submodules, gate: bool, pg_collection=None, *,
+    def __init__(self, config, submodules, gate: bool, pg_collection=None, name=None, *,
                  scalevec: ScaleVecConfig):
         if scalevec.dnp and config.moe_shared_expert_overlap:
             raise NotImplementedError(
                 "DNP on shared experts with moe_shared_expert_overlap: the overlapped path runs "
                 "fc1/act/fc2 piecewise inside the dispatcher and would skip the DNP norms")
         object.__setattr__(self, "_pending_scalevec", scalevec)
-        super().__init__(config, submodules, gate, pg_collection)
+        super().__init__(config, submodules, gate, pg_collection,
+                         **mcore.accepted_kwargs(SharedExpertMLP, name=name))
 
 
 def moe_new_parameters(cfg: ScaleVecConfig, *, num_layers: int, hidden: int, heads: int,

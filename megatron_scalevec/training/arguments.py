@@ -8,6 +8,7 @@ unified strategy, trained on CPU in a few minutes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 SPECS = ("scalevec_moe", "scalevec_dense", "baseline")
@@ -218,6 +219,8 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
                                             "number of micro-batches divisible by --pipeline-"
                                             "model-parallel-size")
     if a.optimizer == "muon":
+        _need(importlib.util.find_spec("emerging_optimizers") is not None,
+              "--optimizer muon needs the emerging-optimizers package (Python >= 3.12)")
         _need(not a.use_distributed_optimizer,
               "--optimizer muon does not work with --use-distributed-optimizer in "
               "megatron-core 0.16.1")
@@ -240,7 +243,6 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         _need(a.save is not None, "--save-interval needs --save")
     if a.data_path and a.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
-    import importlib.util  # noqa: PLC0415
 
     have_te = importlib.util.find_spec("transformer_engine") is not None
     if a.transformer_impl is None:
