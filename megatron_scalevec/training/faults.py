@@ -86,11 +86,13 @@ def check_step(model, loss: float, iteration: int, device) -> None:
     what = f"loss is {loss}" if not math.isfinite(loss) else f"loss {loss:.4g}"
     grads = (f"; non-finite gradients in {', '.join(first)}" if first else
              "; gradients finite" if not bad_grads else "; non-finite gradients")
-    raise DivergenceError(
+    err = DivergenceError(
         f"training diverged at iteration {iteration}: {what}{grads}. Stopped before the "
         f"optimizer step; no checkpoint written from this state (lower --lr, raise "
         f"--lr-warmup-iters or --clip-grad; --no-check-for-nan-in-loss-and-grad disables "
         f"this check)")
+    err.loss, err.grads_finite = loss, not bad_grads
+    raise err
 
 
 def params_finite(model, device) -> bool:

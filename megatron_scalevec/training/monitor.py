@@ -102,6 +102,17 @@ class MetricsLog:
                 self.print("tensorboard is not installed: --tensorboard-dir ignored "
                            "(metrics.jsonl has the same scalars)")
 
+    def write_config(self, args) -> None:
+        """``config.json`` beside metrics.jsonl: the flags of this run (plots title with it)."""
+        if not self.enabled:
+            return
+        cfg = {k: v for k, v in sorted(vars(args).items())
+               if isinstance(v, (str, int, float, bool, type(None), list))}
+        tmp = os.path.join(os.path.dirname(self.path), ".config.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(cfg, f, indent=1)
+        os.replace(tmp, os.path.join(os.path.dirname(self.path), "config.json"))
+
     def print(self, text: str) -> None:
         if self.enabled and not self.quiet:
             print(text, flush=True)

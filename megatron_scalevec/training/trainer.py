@@ -130,6 +130,7 @@ class Trainer:
                 verify=not a.no_verify_checkpoint)
         self.log = MetricsLog(a.run_dir, a.tensorboard_dir, a.quiet,
                               append=found is not None)
+        self.log.write_config(a)
         self.config = transformer_config(a, vocab)
         self.model = build_model(a, self.config, vocab)
         opt_cfg = OptimizerConfig(
@@ -260,8 +261,10 @@ class Trainer:
             try:
                 loss, gnorm = self.train_step(it)
             except faults.DivergenceError as e:
+                nan = float("nan")
                 self.log.write(dict(iteration=self.iteration + 1, train_iters=a.train_iters,
-                                    loss=float("nan"), diverged=str(e)))
+                                    loss=getattr(e, "loss", nan), diverged=str(e),
+                                    grad_norm=nan if not getattr(e, "grads_finite", 1) else 0.0))
                 raise
             self.iteration += 1
             self.consumed += a.global_batch_size
