@@ -258,3 +258,18 @@ def test_writer_processes_die_with_a_killed_trainer(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_metadata_guard_for_megatron_lm(tmp_path, monkeypatch):
+    """What megatron_lm.install() puts into Megatron-LM's process: DCP's .metadata reader
+    refuses pickled code."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    from megatron_scalevec.training.ckpt_guard import install_metadata_guard
+
+    monkeypatch.setattr(fs, "pickle", fs.pickle)  # restored after the test
+    install_metadata_guard()
+    marker = tmp_path / "pwned"
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+        fs.pickle.load(io.BytesIO(pickle.dumps(_RunsCode(marker))))
+    assert not marker.exists()
