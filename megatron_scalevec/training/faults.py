@@ -32,7 +32,9 @@ def _params(model):
     for i, chunk in enumerate(model):
         prefix = f"chunk{i}." if len(model) > 1 else ""
         for name, p in chunk.named_parameters():
-            yield prefix + name.removeprefix("module."), p
+            while name.startswith("module."):  # DDP, Float16Module
+                name = name[len("module."):]
+            yield prefix + name, p
 
 
 def _grad(p):

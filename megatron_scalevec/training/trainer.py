@@ -297,6 +297,8 @@ def _plot(args, log):
 
 def main(argv=None) -> list:
     """Entry point (console script ``megatron-scalevec-pretrain``). Returns the losses."""
+    from megatron_scalevec.training.ckpt_guard import CheckpointError  # noqa: PLC0415
+
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, world_size=_world_size_hint())  # raises before any output
     faults.kill_children_with_parent()  # checkpoint writer processes die with us
@@ -318,7 +320,7 @@ def main(argv=None) -> list:
             _plot(args, trainer.log)
         trainer.log.print(f"done in {time.time() - started:.1f} s")
         return losses
-    except (faults.DivergenceError, ArgumentError):
+    except (faults.DivergenceError, ArgumentError, CheckpointError):
         raise
     except RuntimeError as e:
         if faults.is_lost_rank(e):
