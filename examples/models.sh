@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Model and parallelism flags of the paper's reference models, for both launchers.
-# Sourced by torchrun.sh and slurm.sbatch:   MODEL=dense-0.12b|dense-1b|moe-2b
+# Sourced by torchrun.sh and slurm.sbatch:   MODEL=dense-0.12b|dense-1b|moe-2b|tiny
 #                                             FLAVOUR=scalevec|megatron-lm
 # Sets MODEL_ARGS, PARALLEL_ARGS, TRAIN_ARGS, PRECISION_ARGS and ENTRY.
 #
@@ -23,8 +23,10 @@ set -euo pipefail
 
 MODEL=${MODEL:-dense-0.12b}
 FLAVOUR=${FLAVOUR:-scalevec}
-DATA_PATH=${DATA_PATH:?set DATA_PATH to an indexed dataset prefix (tools/preprocess_data.py)}
-TOKENIZER_MODEL=${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a SentencePiece .model}
+if [ "$MODEL" != tiny ]; then
+  DATA_PATH=${DATA_PATH:?set DATA_PATH to an indexed dataset prefix (tools/preprocess_data.py)}
+  TOKENIZER_MODEL=${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a SentencePiece .model}
+fi
 RUN_DIR=${RUN_DIR:-runs/${MODEL}-${FLAVOUR}}
 FP8=${FP8:-0}   # 1: FP8 (Megatron-LM flavour with Transformer Engine on Hopper/Blackwell only)
 
@@ -49,9 +51,20 @@ case "$MODEL" in
     PAR=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
          --expert-model-parallel-size 8)
     SPEC=scalevec_moe ;;
-  *) echo "MODEL must be dense-0.12b, dense-1b or moe-2b (got $MODEL)" >&2; exit 2 ;;
+  tiny)  # CPU smoke test of the launchers (mock data, gloo); what tests/test_launch.py runs
+    SIZE=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
+          --ffn-hidden-size 64 --vocab-size 64)
+    SEQ=16; GBS=8; MBS=2; LR=1e-2; MIN_LR=1e-3; ITERS=${ITERS:-8}
+    PAR=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1)
+    SPEC=scalevec_dense ;;
+  *) echo "MODEL must be dense-0.12b, dense-1b, moe-2b or tiny (got $MODEL)" >&2; exit 2 ;;
 esac
 
+if [ "$MODEL" = tiny ]; then
+  COMMON_TRAIN=(--seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS"
+    --train-iters "$ITERS" --lr "$LR" --min-lr "$MIN_LR" --mock-data --log-interval 1
+    --eval-interval 0 --save "$RUN_DIR/checkpoints" --save-interval 4 --no-plot)
+else
 COMMON_TRAIN=(--seq-length "$SEQ" --max-position-embeddings "$SEQ"
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
   --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters 2000
@@ -61,12 +74,14 @@ COMMON_TRAIN=(--seq-length "$SEQ" --max-position-embeddings "$SEQ"
   --log-interval 10 --eval-interval 1000 --eval-iters 10
   --save "$RUN_DIR/checkpoints" --save-interval 1000
   --tensorboard-dir "$RUN_DIR/tensorboard" --use-distributed-optimizer --bf16)
+fi
 
 if [ "$FLAVOUR" = scalevec ]; then
   # This repository's trainer: RMSNorm/SwiGLU/RoPE/no bias are built in; --spec picks the preset.
   ENTRY=${ENTRY:-pretrain_gpt.py}
   MODEL_ARGS=(--spec "$SPEC" --scalevec unified "${SIZE[@]}")
   TRAIN_ARGS=("${COMMON_TRAIN[@]}" --overlap-grad-reduce --distributed-backend nccl)
+  [ "$MODEL" = tiny ] && TRAIN_ARGS=("${COMMON_TRAIN[@]}" --distributed-backend gloo)
   # our --load must name an existing checkpoint directory: resume only when there is one
   [ -d "$RUN_DIR/checkpoints" ] && TRAIN_ARGS+=(--load "$RUN_DIR/checkpoints")
   PRECISION_ARGS=()

@@ -271,6 +271,9 @@ def install() -> bool:
         from megatron.core.package_info import __version__ as core_version  # noqa: PLC0415
     except ImportError:
         return False  # not inside Megatron-LM: nothing to install
+    from megatron_scalevec.training.ckpt_guard import install_metadata_guard  # noqa: PLC0415
+
+    install_metadata_guard()  # Megatron-LM's --load: DCP .metadata never unpickles code
     missing = [n for n in WRAPPED if not hasattr(training, n)]
     force = os.environ.get(ENV_FORCE, "") == "1"
     line = ".".join(core_version.split(".")[:2])

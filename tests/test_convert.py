@@ -379,7 +379,7 @@ def test_trainer_converter_round_trip(tmp_path, tiny_data):
                                             "--save", j("ck1"), "--run-dir", j("r1")])
     assert sorted(f for f in os.listdir(j("ck1", "iter_0000003")) if not f.endswith(
         ("distcp", ".pt", "metadata"))) == ["metadata.json", "scalevec_arch.json",
-                                            "tokenizer.model"]
+                                            "scalevec_manifest.json", "tokenizer.model"]
     # the trainer's save dir and one iter_N, as they are
     stock = run_on_ranks(_convert, 1, j("ck1", "iter_0000003"), j("stock"), "stock")[0]
     assert stock["max_logit_diff"] < TOL
@@ -460,7 +460,7 @@ def _refused(rank, world, argv):
 def test_pretrained_of_another_model_is_refused(tmp_path):
     run_on_ranks(_write_moe_source, 1, str(tmp_path / "src"))
     base = MOCK + MOE_RUN + ["--pretrained-checkpoint", str(tmp_path / "src"),
-                             "--run-dir", str(tmp_path / "r")]
+                             "--run-dir", str(tmp_path / "r"), "--overwrite"]
     strategy = run_on_ranks(_refused, 1, base + ["--scalevec", "hg+dp"])[0]
     assert "holds strategy 'unified', this run trains 'hg+dp'" in strategy
     assert "--to hg+dp" in strategy

@@ -84,6 +84,9 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     losses = _run(1, "--train-iters", "3", "--load", str(ck), run_dir=tmp_path / "r3")
     assert len(losses) == 1
     (ck / "iter_0000002" / "common.pt").write_bytes(b"garbage")
+    with pytest.raises(RankError, match="common.pt: 7 bytes, [0-9]+ when written"):
+        _run(1, "--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r4")
+    (ck / "iter_0000002" / "scalevec_manifest.json").unlink()  # an unverified checkpoint
     with pytest.raises(RankError, match="corrupt or incomplete"):
         _run(1, "--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r4")
     (ck / "latest").write_text("7\n")

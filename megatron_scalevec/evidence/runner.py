@@ -146,7 +146,7 @@ def _worker(run_dir: str, argv: list) -> None:
 
     trainer.build_model = counting_build_model  # observe only; the trainer runs unchanged
     t0 = time.time()
-    trainer.main(list(argv) + ["--run-dir", run_dir])
+    trainer.main(list(argv) + ["--run-dir", run_dir, "--overwrite"])  # a retry reuses it
     with open(os.path.join(run_dir, "wall.json"), "w") as f:
         json.dump({"wall_s": time.time() - t0, "argv": list(argv)}, f)
 

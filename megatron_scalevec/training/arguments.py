@@ -35,9 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decay of Input-Norm vectors (default: --weight-decay)")
     g.add_argument("--decay-direction", action="store_true",
                    help="under OR/ER also decay the direction/logit part")
-    g.add_argument("--expert-vectors", default="per_expert", choices=("per_expert", "shared"),
-                   help="MoE: every expert its own vectors (SPEC) or one set per layer shared "
-                        "by the routed experts (far fewer parameters)")
+    g.add_argument("--expert-vectors", default=None, choices=("per_expert", "shared"),
+                   help="MoE (default per_expert): every expert its own vectors (SPEC) or "
+                        "one set per layer shared by the routed experts (fewer parameters)")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon"))
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=None, help="default: --lr / 10")
     g.add_argument("--lr-decay-style", default="cosine", choices=DECAY_STYLES)
     g.add_argument("--lr-warmup-iters", type=int, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None)
@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (and save) after this iteration, as if killed")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--check-for-nan-in-loss-and-grad", default=True,
+                   action=argparse.BooleanOptionalAction,
+                   help="stop with an error (exit 3) at the first NaN/Inf loss or gradient, "
+                        "before the optimizer step and before any checkpoint is written")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective waiting this long on a dead rank or node ends the run")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None)
@@ -130,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "when --load holds no checkpoint; iteration and optimizer start fresh")
     g.add_argument("--finetune", action="store_true",
                    help="load only the weights from --load; iteration and optimizer reset")
+    g.add_argument("--no-verify-checkpoint", action="store_true",
+                   help="on --load, skip the SHA-256 check of every checkpoint file against "
+                        "its manifest (for very large checkpoints; sizes are still checked)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="reuse a run dir / --save dir that holds another run")
     g.add_argument("--quiet", action="store_true", help="log to the JSONL file only")
     return p
 
@@ -151,14 +162,18 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
               f"--scalevec {a.scalevec!r} use --spec scalevec_dense or scalevec_moe")
         a.scalevec = "shared"
     a.scalevec = a.scalevec or "unified"
+    if a.spec == "scalevec_moe" and a.num_experts is None:
+        a.num_experts = 4
+    _need(a.expert_vectors is None or bool(a.num_experts),
+          f"--expert-vectors {a.expert_vectors} applies to MoE experts; this model is dense "
+          f"(use --spec scalevec_moe / --num-experts, or drop the flag)")
+    a.expert_vectors = a.expert_vectors or "per_expert"
     try:
         a.scalevec_config = ScaleVecConfig.from_string(
             a.scalevec, scale_vector_weight_decay=a.scale_vector_weight_decay,
             decay_direction=a.decay_direction, expert_vectors=a.expert_vectors)
     except ValueError as e:
         raise ArgumentError(f"--scalevec: {e}") from None
-    if a.spec == "scalevec_moe" and a.num_experts is None:
-        a.num_experts = 4
     if a.spec == "scalevec_dense":
         _need(not a.num_experts, "--spec scalevec_dense is dense: drop --num-experts or use "
                                  "--spec scalevec_moe")
@@ -169,6 +184,13 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     a.ffn_hidden_size = a.ffn_hidden_size or 4 * a.hidden_size
     a.moe_ffn_hidden_size = a.moe_ffn_hidden_size or a.ffn_hidden_size
     a.max_position_embeddings = a.max_position_embeddings or a.seq_length
+    _need(a.seq_length <= a.max_position_embeddings,
+          f"--seq-length {a.seq_length} > --max-position-embeddings "
+          f"{a.max_position_embeddings}: the model has no positions beyond that")
+    _need(a.lr > 0, f"--lr {a.lr} must be > 0")
+    a.min_lr = a.lr / 10 if a.min_lr is None else a.min_lr
+    _need(0 <= a.min_lr <= a.lr, f"--min-lr {a.min_lr} must be between 0 and --lr {a.lr}")
+    _need(a.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be > 0")
     _need(a.hidden_size % a.num_attention_heads == 0,
           f"--hidden-size {a.hidden_size} is not divisible by --num-attention-heads "
           f"{a.num_attention_heads}")
@@ -225,7 +247,7 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
               "--optimizer muon does not work with --use-distributed-optimizer in "
               "megatron-core 0.16.1")
     a.lr_warmup_iters = a.lr_warmup_iters if a.lr_warmup_iters is not None else \
-        max(1, a.train_iters // 10)
+        min(max(1, a.train_iters // 10), a.train_iters - 1)
     a.lr_decay_iters = a.lr_decay_iters or a.train_iters
     if a.lr_decay_style == "WSD":
         a.lr_wsd_decay_iters = a.lr_wsd_decay_iters or max(1, a.lr_decay_iters // 5)
@@ -241,6 +263,9 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
                                                 "pass --load (or use --pretrained-checkpoint)")
     if a.save_interval is not None:
         _need(a.save is not None, "--save-interval needs --save")
+    if a.save is not None:
+        _need(not os.path.exists(a.save) or os.path.isdir(a.save),
+              f"--save {a.save!r} is an existing file, not a directory")
     if a.data_path and a.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
 
@@ -252,5 +277,27 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
           "(pip install 'megatron_scalevec[te]'); use --transformer-impl local")
     _need(a.fp8_format is None or a.transformer_impl == "transformer_engine",
           "--fp8-format needs --transformer-impl transformer_engine (FP8 comes from TE's GEMMs)")
-    a.run_dir = a.run_dir or a.save or os.path.join("runs", a.spec)
+    a.run_dir = a.run_dir or a.save or os.path.join("runs", default_run_name(a))
+    _refuse_other_run(a)
     return a
+
+
+def default_run_name(a) -> str:
+    """A run-dir name from the configuration: spec, strategy, sizes, seed."""
+    moe = f"-e{a.num_experts}" if a.num_experts else ""
+    return (f"{a.spec}-{a.scalevec.replace('+', '_')}-l{a.num_layers}-h{a.hidden_size}{moe}"
+            f"-s{a.seed}")
+
+
+def _refuse_other_run(a) -> None:
+    """A run dir or --save dir that holds another run is never silently overwritten."""
+    if a.overwrite or a.load is not None:
+        return
+    if os.path.exists(os.path.join(a.run_dir, "metrics.jsonl")):
+        raise ArgumentError(f"run dir {a.run_dir!r} holds another run (metrics.jsonl): pass "
+                            f"--load to resume it, --overwrite to replace it, or another "
+                            f"--run-dir")
+    if a.save is not None and os.path.exists(os.path.join(a.save, "latest")):
+        raise ArgumentError(f"--save {a.save!r} holds another run's checkpoints: pass --load "
+                            f"{a.save} to resume, --overwrite to replace them, or another "
+                            f"--save")

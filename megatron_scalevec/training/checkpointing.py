@@ -8,7 +8,9 @@ Layout of ``--save DIR``::
 
 A save writes ``DIR/.tmp_iter_XXXXXXX`` and renames it only when every rank has finished, then
 replaces ``latest``: a save interrupted at any point leaves the previous checkpoint and its
-``latest`` pointer intact. The distributed optimizer is saved ``fully_reshardable`` (the default
+``latest`` pointer intact. Before publishing, every file gets a checksum in
+``scalevec_manifest.json`` (ckpt_guard.py), verified on load; the model state is checked finite
+before anything is written. The distributed optimizer is saved ``fully_reshardable`` (the default
 format fails with torch AdamW in 0.16.1), so a run can resume at another TP/PP/DP layout.
 """
 
@@ -24,12 +26,17 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_scalevec.training import ckpt_guard
+from megatron_scalevec.training.ckpt_guard import CheckpointError  # noqa: F401 (re-export)
+from megatron_scalevec.training.faults import first_line
+
 CHECKPOINT_VERSION = 1
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupt or made for another model."""
+try:  # torch DCP's error type derives from BaseException: ``except Exception`` misses it
+    from torch.distributed.checkpoint.api import CheckpointException as _DCPError
+except ImportError:  # pragma: no cover
+    _DCPError = Exception
+LOAD_ERRORS = (Exception, _DCPError)
 
 
 def _rank0() -> bool:
@@ -63,7 +70,9 @@ def _layout() -> dict:
 
 
 def _rng_object() -> ShardedObject:
-    state = dict(random=random.getstate(), numpy=np.random.get_state(),
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = dict(random=random.getstate(),
+                 numpy=(name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
                  torch=torch.get_rng_state(),
                  tracker=tensor_parallel.get_cuda_rng_tracker().get_states())
     if torch.cuda.is_available():
@@ -79,7 +88,9 @@ def _rng_object() -> ShardedObject:
 
 def _set_rng(state: dict) -> None:
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if torch.is_tensor(keys) else keys  # tensors since manifest v1
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -124,9 +135,9 @@ def _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta
 
 def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, strategy, meta,
                     extra_files=None):
-    """Write ``root/iter_N`` through a temporary folder, then publish ``latest``.
-    ``extra_files`` ({name: bytes}, rank 0) go in with the tensors: the converter's
-    ``scalevec_arch.json`` and the tokenizer (training/pretrained.py)."""
+    """Write ``root/iter_N`` through a temporary folder, add the checksum manifest, then
+    publish it and ``latest``. ``extra_files`` ({name: bytes}, rank 0) go in with the tensors:
+    the converter's ``scalevec_arch.json`` and the tokenizer (training/pretrained.py)."""
     final, tmp = iter_dir(root, iteration), os.path.join(root, f".tmp_iter_{iteration:07d}")
     if _rank0():
         os.makedirs(root, exist_ok=True)
@@ -135,6 +146,12 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, stra
     dist.barrier()
     sd = _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, False)
     dist_checkpointing.save(sd, tmp, validate_access_integrity=True)
+    if _rank0():
+        for name, data in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
+    dist.barrier()
+    ckpt_guard.write_manifest(tmp, iteration=iteration, scalevec=strategy)
     dist.barrier()
     if _rank0():
         for name, data in (extra_files or {}).items():
@@ -152,11 +169,22 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, stra
     dist.barrier()
 
 
-def load_checkpoint(root, model, optimizer, scheduler, strategy, meta, load_optim=True):
-    """Load ``latest`` from ``root`` into model/optimizer/scheduler and the RNGs.
+def strategy_difference(saved: str, wanted: str) -> str:
+    """What differs between two strategy strings, in words."""
+    a, b = set(saved.split("+")), set(wanted.split("+"))
+    if a ^ b == {"iwd"}:
+        return ("only IWD differs (which vectors get weight decay; the parameters are the "
+                "same, the optimizer's decay groups are not)")
+    only_a = "+".join(sorted(a - b)) or "-"
+    only_b = "+".join(sorted(b - a)) or "-"
+    return f"the parameters differ ({only_a} only in the checkpoint, {only_b} only in this run)"
 
-    Returns (iteration, consumed_samples), or None when ``root`` holds no checkpoint yet.
-    """
+
+def inspect_checkpoint(root, strategy, meta, verify=True):
+    """Everything about ``root``'s latest checkpoint that can be checked before the model is
+    built: the pointer, the manifest (files, sizes, checksums), the writer's megatron-core,
+    the strategy and the model sizes. Returns (path, manifest), or None when ``root`` holds no
+    checkpoint yet. Raises CheckpointError with one line naming the file or the mismatch."""
     iteration = read_latest(root)
     if iteration is None:
         return None
@@ -164,22 +192,38 @@ def load_checkpoint(root, model, optimizer, scheduler, strategy, meta, load_opti
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/latest points to iteration {iteration} but {path} is "
                               f"missing")
+    manifest = ckpt_guard.verify_checkpoint(path, hashes=verify)
+    ckpt_guard.check_readable_version(path, manifest)
     try:
-        common = dist_checkpointing.load_common_state_dict(path)
-    except Exception as e:  # noqa: BLE001 -- any failure here means an unreadable checkpoint
+        with ckpt_guard.no_code_on_load():
+            common = dist_checkpointing.load_common_state_dict(path)
+    except LOAD_ERRORS as e:
         raise CheckpointError(f"{path}: not a readable dist_checkpointing checkpoint "
-                              f"(corrupt or incomplete): {type(e).__name__}: {e}") from e
+                              f"(corrupt or incomplete){ckpt_guard.version_note(manifest)}: "
+                              f"{first_line(e)}") from None
     if common.get("checkpoint_version") != CHECKPOINT_VERSION or "scalevec" not in common:
         raise CheckpointError(f"{path}: not written by megatron_scalevec's trainer")
     if common["scalevec"] != strategy:
         raise CheckpointError(
             f"{path} was trained with scale-vector strategy {common['scalevec']!r}, this run "
-            f"asks for {strategy!r}: the parameters differ; convert the checkpoint or pass "
-            f"--scalevec {common['scalevec']}")
+            f"asks for {strategy!r}: {strategy_difference(common['scalevec'], strategy)}; "
+            f"convert the checkpoint or pass --scalevec {common['scalevec']}")
+    saved_meta = common.get("model_meta", {})
     for key, value in meta.items():
-        if common["model_meta"].get(key) != value:
-            raise CheckpointError(f"{path}: model {key}={common['model_meta'].get(key)!r} in the "
-                                  f"checkpoint, {value!r} in this run")
+        if key in saved_meta and saved_meta[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"{path}: model {key}={saved_meta[key]!r} in the "
+                                  f"checkpoint, {value!r} in this run (check {flag})")
+    return path, manifest
+
+
+def load_checkpoint(found, model, optimizer, scheduler, strategy, meta, load_optim=True):
+    """Load the checkpoint ``inspect_checkpoint`` found into model/optimizer/scheduler and the
+    RNGs (nothing in it can run code). Returns (iteration, consumed_samples)."""
+    path, manifest = found
+    with ckpt_guard.no_code_on_load():
+        common = dist_checkpointing.load_common_state_dict(path)
+    iteration = common["iteration"]
     same_layout = common.get("layout") == _layout()
     with_optim = load_optim and optimizer is not None
     if with_optim:
@@ -187,15 +231,21 @@ def load_checkpoint(root, model, optimizer, scheduler, strategy, meta, load_opti
     sd = _state_dict(model, optimizer, scheduler, iteration, 0, strategy, meta, True,
                      with_rng=same_layout, with_optim=with_optim)
     try:
-        loaded = dist_checkpointing.load(sd, path)
-    except Exception as e:  # noqa: BLE001
+        with ckpt_guard.no_code_on_load():
+            loaded = dist_checkpointing.load(sd, path)
+    except LOAD_ERRORS as e:
         raise CheckpointError(f"{path}: loading failed (corrupt, incomplete, or a different "
-                              f"model): {type(e).__name__}: {e}") from e
-    if len(model) == 1:
-        _gpt(model[0]).load_state_dict(loaded["model"])
-    else:
-        for i, m in enumerate(model):
-            _gpt(m).load_state_dict(loaded[f"model{i}"])
+                              f"model){ckpt_guard.version_note(manifest)}: "
+                              f"{first_line(e)}") from None
+    try:
+        if len(model) == 1:
+            _gpt(model[0]).load_state_dict(loaded["model"])
+        else:
+            for i, m in enumerate(model):
+                _gpt(m).load_state_dict(loaded[f"model{i}"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: the model does not match the checkpoint: "
+                              f"{first_line(e)}") from None
     if with_optim:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -103,6 +102,17 @@ class MetricsLog:
                 self.print("tensorboard is not installed: --tensorboard-dir ignored "
                            "(metrics.jsonl has the same scalars)")
 
+    def write_config(self, args) -> None:
+        """``config.json`` beside metrics.jsonl: the flags of this run (plots title with it)."""
+        if not self.enabled:
+            return
+        cfg = {k: v for k, v in sorted(vars(args).items())
+               if isinstance(v, (str, int, float, bool, type(None), list))}
+        tmp = os.path.join(os.path.dirname(self.path), ".config.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(cfg, f, indent=1)
+        os.replace(tmp, os.path.join(os.path.dirname(self.path), "config.json"))
+
     def print(self, text: str) -> None:
         if self.enabled and not self.quiet:
             print(text, flush=True)
@@ -110,7 +120,10 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        from megatron_scalevec.training.faults import finite_or_none  # noqa: PLC0415
+
+        record = finite_or_none(record)
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             step = record.get("iteration", 0)
@@ -123,28 +136,3 @@ class MetricsLog:
             self.file.close()
             if self.tb is not None:
                 self.tb.close()
-
-
-class Throughput:
-    """tokens/s and ETA from wall time between log intervals."""
-
-    def __init__(self, tokens_per_iter: int, total_iters: int, start_iter: int):
-        self.tokens_per_iter, self.total = tokens_per_iter, total_iters
-        self.t0, self.i0 = time.time(), start_iter
-
-    def update(self, iteration: int) -> dict:
-        now = time.time()
-        dt, di = now - self.t0, iteration - self.i0
-        self.t0, self.i0 = now, iteration
-        per_iter = dt / max(di, 1)
-        return {"tokens_per_s": self.tokens_per_iter * di / max(dt, 1e-9),
-                "s_per_iter": per_iter, "eta_s": per_iter * (self.total - iteration)}
-
-
-def format_line(rec: dict) -> str:
-    parts = [f"iter {rec['iteration']:>6}/{rec['train_iters']}", f"loss {rec['loss']:.4f}"]
-    if "val_loss" in rec:
-        parts.append(f"val {rec['val_loss']:.4f}")
-    parts += [f"lr {rec['lr']:.3e}", f"gnorm {rec['grad_norm']:.3f}",
-              f"{rec['tokens_per_s']:.0f} tok/s", f"eta {rec['eta_s'] / 60:.1f} min"]
-    return " | ".join(parts)

@@ -9,6 +9,7 @@ compatibility layer is switched on and the backend is gloo.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -19,7 +20,14 @@ import time
 import torch
 
 from megatron_scalevec.compat.cpu import enable_cpu_compat
+from megatron_scalevec.training import faults, summary
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
+from megatron_scalevec.training.build import (
+    build_model,
+    datasets,
+    scheduler,
+    transformer_config,
+)
 
 
 def _world_size_hint() -> int:
@@ -40,7 +48,8 @@ def _init_distributed(args) -> bool:
     if "RANK" in os.environ:  # torchrun
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
         return True
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,129 +57,6 @@ def _init_distributed(args) -> bool:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     return True
-
-
-def _transformer_config(args, vocab_size):
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
-
-    moe = {}
-    if args.num_experts:
-        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_layer_freq=args.moe_layer_freq,
-                   moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-                   moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-                   moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    return TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        sequence_parallel=args.sequence_parallel, normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm, init_method_std=args.init_method_std,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16, params_dtype=dtype,
-        pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        bias_activation_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, calculate_per_token_loss=False,
-        transformer_impl=args.transformer_impl, fp8=args.fp8_format, **moe)
-
-
-def _layer_spec(args):
-    """megatron-core's own spec for ``baseline``; otherwise the same lazy block ModuleSpec that
-    Megatron-LM's ``--spec megatron_scalevec.specs scalevec_moe`` imports (sized inside
-    ``specs.building``)."""
-    if args.spec == "baseline":
-        from megatron.core.models.gpt import gpt_layer_specs  # noqa: PLC0415
-
-        if args.transformer_impl == "transformer_engine":
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-                num_experts=args.num_experts, moe_grouped_gemm=False,
-                qk_layernorm=args.qk_layernorm)
-        return gpt_layer_specs.get_gpt_layer_local_spec(
-            num_experts=args.num_experts, moe_grouped_gemm=False,
-            qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    from megatron_scalevec.specs import block_module_spec  # noqa: PLC0415
-
-    return block_module_spec(args.scalevec_config)
-
-
-def build_model(args, config, vocab_size):
-    """GPTModel chunks (one per virtual pipeline stage), wrapped in megatron-core DDP."""
-    from megatron.core import parallel_state as ps  # noqa: PLC0415
-    from megatron.core.distributed import (  # noqa: PLC0415
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-    )
-    from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: PLC0415
-    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
-
-    from megatron_scalevec.specs import building  # noqa: PLC0415
-
-    vpp = args.virtual_pipeline_model_parallel_size or 1
-    chunks = []
-    for i in range(vpp):
-        vp_stage = i if vpp > 1 else None
-        with building(config, vp_stage):
-            m = GPTModel(config, _layer_spec(args), vocab_size=vocab_size,
-                         max_sequence_length=args.max_position_embeddings,
-                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
-                                                                vp_stage=vp_stage),
-                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False,
-                                                                vp_stage=vp_stage),
-                         share_embeddings_and_output_weights=not
-                         args.untie_embeddings_and_output_weights,
-                         position_embedding_type="rope", vp_stage=vp_stage)
-        if torch.cuda.is_available():
-            m.cuda(torch.cuda.current_device())
-        if args.bf16:
-            m = Float16Module(config, m)
-        chunks.append(m)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer, check_for_nan_in_grad=False)
-    return [DistributedDataParallel(config, ddp_config, m,
-                                    disable_bucketing=(i > 0)) for i, m in enumerate(chunks)]
-
-
-def _scheduler(args, optimizer):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: PLC0415
-
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant",
-        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style)
-
-
-def _data(args):
-    """(train_ds, valid_ds, vocab_size, make_iterator) from training/data.py, else megatron's
-    MockGPTDataset behind the same call."""
-    n_train = args.train_iters * args.global_batch_size
-    n_valid = (args.train_iters // max(args.eval_interval, 1) + 2) * args.eval_iters * \
-        args.global_batch_size
-    try:
-        from megatron_scalevec.training import data  # noqa: PLC0415
-    except ImportError:
-        data = None
-    if data is None or args.mock_data:
-        from megatron_scalevec.training import mock_data as data  # noqa: PLC0415
-
-        train, valid, tok = data.build_datasets(
-            None, None, args.seq_length, args.seed, n_train, n_valid, split=args.split,
-            vocab_size=args.vocab_size or 512)
-    else:
-        train, valid, tok = data.build_datasets(
-            args.data_path, args.tokenizer_model, args.seq_length, args.seed, n_train, n_valid,
-            split=args.split, cache_dir=args.data_cache_path)
-    return train, valid, tok.vocab_size, data.make_batch_iterator
 
 
 def _forward_step(data_iterator, model):
@@ -210,6 +96,7 @@ class Trainer:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa
 
         from megatron_scalevec.optim import build_optimizer  # noqa: PLC0415
+        from megatron_scalevec.training import checkpointing  # noqa: PLC0415
         from megatron_scalevec.training.monitor import MetricsLog  # noqa: PLC0415
 
         self.args = a = args
@@ -219,14 +106,32 @@ class Trainer:
             pipeline_model_parallel_size=a.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=a.expert_model_parallel_size,
-            expert_tensor_parallel_size=a.expert_tensor_parallel_size)
+            expert_tensor_parallel_size=a.expert_tensor_parallel_size,
+            distributed_timeout_minutes=a.distributed_timeout_minutes)
         torch.manual_seed(a.seed)
         model_parallel_cuda_manual_seed(a.seed)
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self.log = MetricsLog(a.run_dir, a.tensorboard_dir, a.quiet, append=a.load is not None)
-        self.train_ds, self.valid_ds, vocab, self.make_iter = _data(a)
+        self.train_ds, self.valid_ds, vocab, self.make_iter = datasets(a)
         self.vocab_size = vocab
-        self.config = _transformer_config(a, vocab)
+        self.iteration, self.consumed = 0, 0
+        self.meta = dict(spec=a.spec, num_layers=a.num_layers, hidden_size=a.hidden_size,
+                         num_attention_heads=a.num_attention_heads,
+                         num_query_groups=a.num_query_groups, vocab_size=vocab,
+                         num_experts=a.num_experts, kv_channels=a.kv_channels,
+                         ffn_hidden_size=a.ffn_hidden_size,
+                         moe_ffn_hidden_size=a.moe_ffn_hidden_size if a.num_experts else None,
+                         untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
+                         normalization=a.normalization, qk_layernorm=a.qk_layernorm,
+                         expert_vectors=a.expert_vectors if a.num_experts else None)
+        found = None
+        if a.load and not a.finetune and os.path.isdir(a.load):  # before the build: cheap
+            found = checkpointing.inspect_checkpoint(
+                a.load, a.scalevec_config.to_string(), self.meta,
+                verify=not a.no_verify_checkpoint)
+        self.log = MetricsLog(a.run_dir, a.tensorboard_dir, a.quiet,
+                              append=found is not None)
+        self.log.write_config(a)
+        self.config = transformer_config(a, vocab)
         self.model = build_model(a, self.config, vocab)
         opt_cfg = OptimizerConfig(
             optimizer="adam" if a.optimizer == "muon" else a.optimizer, lr=a.lr, min_lr=a.min_lr,
@@ -236,36 +141,37 @@ class Trainer:
             use_distributed_optimizer=a.use_distributed_optimizer)
         self.optimizer = build_optimizer(opt_cfg, self.model, a.scalevec_config,
                                          use_muon=a.optimizer == "muon", log=self.log.print)
-        self.scheduler = _scheduler(a, self.optimizer)
+        self.scheduler = scheduler(a, self.optimizer)
         cfg = self.config
         cfg.finalize_model_grads_func = finalize_model_grads
         cfg.grad_scale_func = self.optimizer.scale_loss
         no_sync = [m.no_sync for m in self.model]
         cfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        self.iteration, self.consumed = 0, 0
-        self.meta = dict(spec=a.spec, num_layers=a.num_layers, hidden_size=a.hidden_size,
-                         num_attention_heads=a.num_attention_heads,
-                         num_query_groups=a.num_query_groups, vocab_size=vocab,
-                         num_experts=a.num_experts)
-        got = None
-        if a.load and not a.finetune and os.path.isdir(a.load):
-            from megatron_scalevec.training.checkpointing import load_checkpoint  # noqa
-
-            got = load_checkpoint(a.load, self.model, self.optimizer, self.scheduler,
-                                  a.scalevec_config.to_string(), self.meta,
-                                  load_optim=not a.no_load_optim)
-            if got is None and a.pretrained_checkpoint is None:
-                self.log.print(f"no checkpoint in {a.load}: training from scratch")
-            elif got is not None:
-                self.iteration, self.consumed = got
-                self.log.print(f"resumed from {a.load} at iteration {self.iteration} "
-                               f"({self.consumed} samples consumed)")
-        if got is None:  # --pretrained-checkpoint / --finetune: training/pretrained.py
+        if a.load and found is None and a.pretrained_checkpoint is None and not a.finetune:
+            self.log.print(f"no checkpoint in {a.load}: training from scratch")
+        elif found is not None:
+            self.iteration, self.consumed = checkpointing.load_checkpoint(
+                found, self.model, self.optimizer, self.scheduler,
+                a.scalevec_config.to_string(), self.meta, load_optim=not a.no_load_optim)
+            verified = ("not verified (no manifest)" if found[1] is None else
+                        "sizes verified" if a.no_verify_checkpoint else "checksums verified")
+            self.log.print(f"resumed from {found[0]} at iteration {self.iteration} "
+                           f"({self.consumed} samples consumed; {verified})")
+        if found is None:  # --pretrained-checkpoint / --finetune: training/pretrained.py
             from megatron_scalevec.training.pretrained import start_from_weights  # noqa
 
             line = start_from_weights(a, self.model, self.optimizer, vocab)
             if line:
                 self.log.print(line)
+
+    def print_summary(self, folded_warnings) -> None:
+        note = summary.backend_note(folded_warnings)
+        if note:
+            self.log.print(note)
+        self.log.print(summary.arguments_block(self.args))
+        self.log.print(summary.layout_line(self.args))
+        self.log.print(summary.parameter_line(*summary.parameter_counts(self.model,
+                                                                        self.device)))
 
     def _iters(self, dataset, consumed):
         from megatron.core import parallel_state as ps  # noqa: PLC0415
@@ -288,14 +194,19 @@ class Trainer:
             micro_batch_size=a.micro_batch_size, forward_only=forward_only)
 
     def train_step(self, iterator):
+        """One step; with --check-for-nan-in-loss-and-grad a non-finite loss or gradient on
+        any rank raises DivergenceError before the optimizer touches the parameters."""
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run(iterator, forward_only=False)
+        loss = _mean_loss(losses, self.device)
+        if self.args.check_for_nan_in_loss_and_grad:
+            faults.check_step(self.model, loss, self.iteration + 1, self.device)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
-        return _mean_loss(losses, self.device), float(grad_norm or 0.0)
+        return loss, float(grad_norm or 0.0)
 
     @torch.no_grad()
     def evaluate(self):
@@ -314,49 +225,59 @@ class Trainer:
         from megatron_scalevec.training.checkpointing import save_checkpoint  # noqa: PLC0415
         from megatron_scalevec.training.pretrained import checkpoint_files  # noqa: PLC0415
 
+        if not faults.params_finite(self.model, self.device):
+            raise faults.DivergenceError(
+                f"parameters are non-finite at iteration {self.iteration}: not writing a "
+                f"checkpoint to {self.args.save}; 'latest' still points to the last good one")
         save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                         self.scheduler, self.consumed, self.args.scalevec_config.to_string(),
                         self.meta, extra_files=checkpoint_files(self))
         self.log.print(f"saved checkpoint iteration {self.iteration} to {self.args.save}")
 
+    def _record(self, loss, gnorm, window, speed, evaluate):
+        a = self.args
+        rec = dict(iteration=self.iteration, train_iters=a.train_iters,
+                   loss=sum(window) / len(window), loss_last=loss,
+                   lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
+                   grad_norm=gnorm, consumed_samples=self.consumed,
+                   **speed.update(self.iteration))
+        if evaluate and self.valid_ds is not None:
+            rec["val_loss"] = self.evaluate()
+        return rec
+
     def train(self) -> list:
         """Run to --train-iters (or --exit-interval); returns the per-iteration losses."""
-        from megatron_scalevec.training.monitor import (  # noqa: PLC0415
-            Throughput,
-            format_line,
-            scale_vector_stats,
-        )
+        from megatron_scalevec.training.monitor import scale_vector_stats  # noqa: PLC0415
 
         a = self.args
         end = min(a.train_iters, a.exit_interval or a.train_iters)
         it = self._iters(self.train_ds, self.consumed)
-        tokens = a.global_batch_size * a.seq_length
-        speed = Throughput(tokens, a.train_iters, self.iteration)
+        speed = summary.Throughput(a.global_batch_size * a.seq_length, a.train_iters,
+                                   self.iteration)
         losses, window = [], []
         for m in self.model:
             m.train()
         while self.iteration < end:
-            loss, gnorm = self.train_step(it)
+            try:
+                loss, gnorm = self.train_step(it)
+            except faults.DivergenceError as e:
+                nan = float("nan")
+                self.log.write(dict(iteration=self.iteration + 1, train_iters=a.train_iters,
+                                    loss=getattr(e, "loss", nan), diverged=str(e),
+                                    grad_norm=nan if not getattr(e, "grads_finite", 1) else 0.0))
+                raise
             self.iteration += 1
             self.consumed += a.global_batch_size
             losses.append(loss)
             window.append(loss)
             last = self.iteration == end
             evaluate = bool(a.eval_interval) and (self.iteration % a.eval_interval == 0 or last)
-            rec = None
             if evaluate or last or self.iteration % a.log_interval == 0 or self.iteration == 1:
-                rec = dict(iteration=self.iteration, train_iters=a.train_iters,
-                           loss=sum(window) / len(window), loss_last=loss,
-                           lr=self.scheduler.get_lr(self.optimizer.param_groups[0]),
-                           grad_norm=gnorm, consumed_samples=self.consumed,
-                           **speed.update(self.iteration))
+                rec = self._record(loss, gnorm, window, speed, evaluate)
                 window = []
-                if evaluate and self.valid_ds is not None:
-                    rec["val_loss"] = self.evaluate()
-            if rec is not None:
                 rec.update(scale_vector_stats(self.model))
                 self.log.write(rec)
-                self.log.print(format_line(rec))
+                self.log.print(summary.format_line(rec))
             if a.save and ((a.save_interval and self.iteration % a.save_interval == 0)
                            or last):
                 self.save()
@@ -376,36 +297,69 @@ def _plot(args, log):
 
 def main(argv=None) -> list:
     """Entry point (console script ``megatron-scalevec-pretrain``). Returns the losses."""
+    from megatron_scalevec.training.ckpt_guard import CheckpointError  # noqa: PLC0415
+
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, world_size=_world_size_hint())  # raises before any output
-    enable_cpu_compat()
+    faults.kill_children_with_parent()  # checkpoint writer processes die with us
+    folded = []
+    with summary.folded_backend_warnings(folded):
+        enable_cpu_compat()
     import torch.distributed as dist  # noqa: PLC0415
 
     started = time.time()
     created = _init_distributed(args)
     args = parse_args(argv, world_size=dist.get_world_size())
+    trainer = None
     try:
-        trainer = Trainer(args)
+        with summary.folded_backend_warnings(folded):
+            trainer = Trainer(args)
+        trainer.print_summary(folded)
         losses = trainer.train()
         if dist.get_rank() == 0 and not args.no_plot:
             _plot(args, trainer.log)
         trainer.log.print(f"done in {time.time() - started:.1f} s")
-        trainer.log.close()
         return losses
+    except (faults.DivergenceError, ArgumentError, CheckpointError):
+        raise
+    except RuntimeError as e:
+        if faults.is_lost_rank(e):
+            raise faults.LostRankError(
+                f"rank {dist.get_rank()} lost contact with another rank (a node or process "
+                f"died, or the network failed): {faults.first_line(e)}") from e
+        raise
     finally:
+        if trainer is not None:
+            trainer.log.close()
         if created:
             from megatron.core import parallel_state as ps  # noqa: PLC0415
 
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
+            with contextlib.suppress(Exception):
+                ps.destroy_model_parallel()
+                dist.destroy_process_group()
 
 
 def cli() -> None:
+    """The script: known failures print one line on stderr and exit 2 (bad input, bad
+    checkpoint, bad data) or 3 (divergence, a lost rank); nothing else is caught."""
+    from megatron_scalevec.training.ckpt_guard import CheckpointError  # noqa: PLC0415
+    from megatron_scalevec.training.corpus import DataPathError  # noqa: PLC0415
+
     try:
         main()
-    except ArgumentError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except (ArgumentError, CheckpointError, DataPathError) as e:
+        _fail(e, 2)
+    except (faults.DivergenceError, faults.LostRankError) as e:
+        _fail(e, 3)
+
+
+def _fail(e: BaseException, code: int) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0 or not getattr(e, "collective", False):
+        prefix = f"[rank {rank}] " if "RANK" in os.environ and rank != 0 else ""
+        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)  # no atexit work: a dead peer must not hang the exit in a collective
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""Building what the trainer trains: the TransformerConfig from the flags, the layer spec,
+the GPTModel chunks in megatron-core DDP, the LR scheduler and the datasets."""
+
+from __future__ import annotations
+
+import torch
+
+
+def transformer_config(args, vocab_size):
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    moe = {}
+    if args.num_experts:
+        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                   moe_layer_freq=args.moe_layer_freq,
+                   moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                   moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                   moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        sequence_parallel=args.sequence_parallel, normalization=args.normalization,
+        qk_layernorm=args.qk_layernorm, init_method_std=args.init_method_std,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16, params_dtype=dtype,
+        pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, calculate_per_token_loss=False,
+        transformer_impl=args.transformer_impl, fp8=args.fp8_format, **moe)
+
+
+def _layer_spec(args):
+    """megatron-core's own spec for ``baseline``; otherwise the same lazy block ModuleSpec that
+    Megatron-LM's ``--spec megatron_scalevec.specs scalevec_moe`` imports (sized inside
+    ``specs.building``)."""
+    if args.spec == "baseline":
+        from megatron.core.models.gpt import gpt_layer_specs  # noqa: PLC0415
+
+        if args.transformer_impl == "transformer_engine":
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                num_experts=args.num_experts, moe_grouped_gemm=False,
+                qk_layernorm=args.qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=False,
+            qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    from megatron_scalevec.specs import block_module_spec  # noqa: PLC0415
+
+    return block_module_spec(args.scalevec_config)
+
+
+def build_model(args, config, vocab_size):
+    """GPTModel chunks (one per virtual pipeline stage), wrapped in megatron-core DDP."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core.distributed import (  # noqa: PLC0415
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: PLC0415
+    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
+
+    from megatron_scalevec.specs import building  # noqa: PLC0415
+
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for i in range(vpp):
+        vp_stage = i if vpp > 1 else None
+        with building(config, vp_stage):
+            m = GPTModel(config, _layer_spec(args), vocab_size=vocab_size,
+                         max_sequence_length=args.max_position_embeddings,
+                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
+                                                                vp_stage=vp_stage),
+                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False,
+                                                                vp_stage=vp_stage),
+                         share_embeddings_and_output_weights=not
+                         args.untie_embeddings_and_output_weights,
+                         position_embedding_type="rope", vp_stage=vp_stage)
+        if torch.cuda.is_available():
+            m.cuda(torch.cuda.current_device())
+        if args.bf16:
+            m = Float16Module(config, m)
+        chunks.append(m)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer, check_for_nan_in_grad=False)
+    return [DistributedDataParallel(config, ddp_config, m,
+                                    disable_bucketing=(i > 0)) for i, m in enumerate(chunks)]
+
+
+def scheduler(args, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: PLC0415
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
+        end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def datasets(args):
+    """(train_ds, valid_ds, vocab_size, make_iterator) from training/data.py, else megatron's
+    MockGPTDataset behind the same call."""
+    n_train = args.train_iters * args.global_batch_size
+    n_valid = (args.train_iters // max(args.eval_interval, 1) + 2) * args.eval_iters * \
+        args.global_batch_size
+    try:
+        from megatron_scalevec.training import data  # noqa: PLC0415
+    except ImportError:
+        data = None
+    if data is None or args.mock_data:
+        from megatron_scalevec.training import mock_data as data  # noqa: PLC0415
+
+        train, valid, tok = data.build_datasets(
+            None, None, args.seq_length, args.seed, n_train, n_valid, split=args.split,
+            vocab_size=args.vocab_size or 512)
+    else:
+        train, valid, tok = data.build_datasets(
+            args.data_path, args.tokenizer_model, args.seq_length, args.seed, n_train, n_valid,
+            split=args.split, cache_dir=args.data_cache_path)
+    return train, valid, tok.vocab_size, data.make_batch_iterator

@@ -1,0 +1,140 @@
+"""Start-up summary (arguments, layout, parameter counts) and the progress line's timing, as
+Megatron-LM prints them; megatron-core's repeated "not installed" warnings folded into one."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+_MISSING_BACKEND = re.compile(r"(Transformer Engine|Apex)( and Apex)? (is|are) not installed")
+
+
+@contextlib.contextmanager
+def folded_backend_warnings(found: list):
+    """Collect megatron-core's "Transformer Engine / Apex not installed" warnings (one per
+    importing module, six per rank) into ``found``; every other warning is shown as usual."""
+    with warnings.catch_warnings(record=True) as caught:
+        yield
+    for w in caught:
+        if _MISSING_BACKEND.search(str(w.message)):
+            found.append(str(w.message))
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
+def backend_note(found: list):
+    if not found:
+        return None
+    names = sorted({n for m in found for n in ("Transformer Engine", "Apex") if n in m})
+    return (f"note: {' and '.join(names)} not installed: megatron-core uses its torch / local "
+            f"fallbacks ({len(found)} warnings folded into this line)")
+
+
+def arguments_block(args) -> str:
+    skip = {"scalevec_config"}
+    rows = [f"  {k} {'.' * max(1, 40 - len(k))} {v}" for k, v in sorted(vars(args).items())
+            if k not in skip]
+    return "\n".join(["------------------------ arguments ------------------------", *rows,
+                      "-------------------- end of arguments ---------------------"])
+
+
+def layout_line(args) -> str:
+    return (f"layout: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
+            f"PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size}; EP "
+            f"{args.expert_model_parallel_size}, expert-TP {args.expert_tensor_parallel_size}, "
+            f"VPP {args.virtual_pipeline_model_parallel_size or 1}, SP "
+            f"{'on' if args.sequence_parallel else 'off'}, distributed optimizer "
+            f"{'on' if args.use_distributed_optimizer else 'off'}; {args.num_microbatches} "
+            f"micro-batches of {args.micro_batch_size} per step")
+
+
+def parameter_counts(model, device) -> tuple:
+    """(total, scale-vector) parameters of the whole model, each tensor counted once across
+    the tensor-, pipeline-, expert- and data-parallel ranks (collective)."""
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank()
+    edp_rank = ps.get_expert_data_parallel_rank()
+    etp_rank = ps.get_expert_tensor_parallel_rank()
+    first_stage = ps.is_pipeline_first_stage(ignore_virtual=True)
+    total = vectors = 0
+    for chunk in model:
+        for p in chunk.parameters():
+            expert = not getattr(p, "allreduce", True)
+            split = getattr(p, "tensor_model_parallel", False)
+            if expert:
+                owner = edp_rank == 0 and (split or etp_rank == 0)
+            else:
+                owner = dp_rank == 0 and (split or tp_rank == 0)
+            if getattr(p, "shared_embedding", False) and not first_stage:
+                owner = False  # the tied output layer repeats the embedding
+            if owner:
+                total += p.numel()
+                vectors += p.numel() if hasattr(p, "scalevec_role") else 0
+    buf = torch.tensor([total, vectors], dtype=torch.float64, device=device)
+    dist.all_reduce(buf)
+    return int(buf[0]), int(buf[1])
+
+
+def parameter_line(total: int, vectors: int) -> str:
+    return (f"parameters: {total:,} total, {vectors:,} in scale vectors "
+            f"({100 * vectors / max(total, 1):.3f}%)")
+
+
+class Throughput:
+    """Elapsed time, ms/iteration, tokens/s and an ETA from an exponential moving average of
+    the time per iteration; the first interval (start-up, first compilation) is not in the
+    average unless it is all there is."""
+
+    def __init__(self, tokens_per_iter: int, total_iters: int, start_iter: int,
+                 alpha: float = 0.3):
+        self.tokens_per_iter, self.total, self.alpha = tokens_per_iter, total_iters, alpha
+        self.start = self.t0 = time.time()
+        self.i0, self.first, self.avg = start_iter, start_iter, None
+        self.intervals = 0
+
+    def update(self, iteration: int) -> dict:
+        now = time.time()
+        dt, di = now - self.t0, max(iteration - self.i0, 1)
+        self.t0, self.i0 = now, iteration
+        per_iter = dt / di
+        self.intervals += 1
+        if self.avg is None or self.intervals == 2:  # replace the start-up interval
+            self.avg = per_iter
+        else:
+            self.avg = self.alpha * per_iter + (1 - self.alpha) * self.avg
+        out = {"tokens_per_s": self.tokens_per_iter / max(per_iter, 1e-9),
+               "s_per_iter": per_iter, "ms_per_iter": 1000 * per_iter,
+               "elapsed_s": now - self.start, "eta_s": self.avg * (self.total - iteration)}
+        if torch.cuda.is_available():
+            out["mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return out
+
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def format_line(rec: dict) -> str:
+    def num(key, fmt):
+        v = rec.get(key)
+        return "nan" if v is None else format(v, fmt)
+
+    parts = [f"iter {rec['iteration']:>6}/{rec['train_iters']}",
+             f"elapsed {_fmt_s(rec['elapsed_s'])}", f"{rec['ms_per_iter']:.0f} ms/it",
+             f"loss {num('loss', '.4f')}"]
+    if "val_loss" in rec:
+        parts.append(f"val {num('val_loss', '.4f')}")
+    parts += [f"lr {rec['lr']:.3e}", f"gnorm {num('grad_norm', '.3f')}",
+              f"{rec['tokens_per_s']:.0f} tok/s"]
+    if "mem_gb" in rec:
+        parts.append(f"mem {rec['mem_gb']:.1f} GB")
+    parts.append(f"eta {_fmt_s(rec['eta_s'])}")
+    return " | ".join(parts)
