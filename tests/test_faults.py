@@ -108,13 +108,16 @@ def test_flipped_byte_is_refused_naming_the_file(ck, tmp_path):
 
 def test_truncated_and_deleted_files_give_one_line(ck, tmp_path):
     it = ck / "iter_0000002"
-    (it / "__0_1.distcp").write_bytes((it / "__0_1.distcp").read_bytes()[:100])
-    with pytest.raises(RankError, match=r"__0_1\.distcp: 100 bytes, \d+ when written"):
+    victim = sorted(it.glob("__*.distcp"))[-1]  # 0.16 writes two per rank, 0.19 one
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(RankError, match=re.escape(victim.name) + r": 100 bytes, \d+ when written"):
         _run("--train-iters", "4", "--load", str(ck), "--no-verify-checkpoint",
              run_dir=tmp_path / "r1")
     (it / "scalevec_manifest.json").unlink()  # unverified: DCP's own error, as one line
-    with pytest.raises(RankError, match=r"loading failed \(corrupt, incomplete, or a "
-                                        r"different model\): rank 0: \w+"):
+    # 0.16 fails in the tensor load; 0.19 already reading the common state inside the files
+    with pytest.raises(RankError, match=r"(loading failed \(corrupt, incomplete, or a "
+                                        r"different model\)|not a readable dist_checkpointing "
+                                        r"checkpoint \(corrupt or incomplete\)): rank 0: \w+"):
         _run("--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r2")
     (it / ".metadata").unlink()
     with pytest.raises(RankError, match=r"(loading failed|corrupt or incomplete).*rank 0"):
@@ -250,7 +253,10 @@ def test_writer_processes_die_with_a_killed_trainer(tmp_path):
         while time.time() < deadline and not kids and proc.poll() is None:
             kids = parent.children(recursive=True)
             time.sleep(0.005)
-        assert kids, "no writer process seen"
+        if not kids:  # from 0.19 (no common.pt) the save writes in-process, without writers
+            saved = list((tmp_path / "ck").glob("iter_*"))
+            assert saved and not (saved[0] / "common.pt").exists(), "no writer process seen"
+            pytest.skip("this megatron-core's save starts no writer processes")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         _, alive = psutil.wait_procs(kids, timeout=5)
