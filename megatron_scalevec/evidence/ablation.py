@@ -322,16 +322,8 @@ def plot(rows, out_dir: str, prefix: str = "ablation") -> list:
         ax2.axhline(0, color="k", lw=0.8)
         ax1.set_title(f"{family}: validation loss (mean over seeds)")
         ax2.set_title(f"{family}: paired Δ val loss vs shared (95% t-band)")
-        for ax in (ax1, ax2):
-            ax.set_xlabel("iteration")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        ax1.set_yscale("log")
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{prefix}_{family}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(tuned.save_panels(plt, fig, (ax1, ax2),
+                                       os.path.join(out_dir, f"{prefix}_{family}.png")))
     return paths
 
 

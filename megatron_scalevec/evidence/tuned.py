@@ -333,17 +333,23 @@ def plot(rows, out_dir) -> list:
         ax2.axhline(0, color="k", lw=0.8)
         ax1.set_title(f"{key[0]} {key[1]}: val loss at each variant's best LR (seed mean)")
         ax2.set_title("paired Δ vs strongest baseline (95% t-band over seeds)")
-        for ax in (ax1, ax2):
-            ax.set_xlabel("iteration")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        ax1.set_yscale("log")
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"tuned_{key[0]}_{key[1]}.png")
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_panels(plt, fig, (ax1, ax2),
+                                 os.path.join(out_dir, f"tuned_{key[0]}_{key[1]}.png")))
     return paths
+
+
+def save_panels(plt, fig, axes, path: str) -> str:
+    """Finish a (loss, paired delta) figure the same way for every evidence plot: iteration
+    axes, grid, legends, log loss axis; write it and return its path."""
+    for ax in axes:
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def report(a, base_argv, root, grids, log=print) -> list:

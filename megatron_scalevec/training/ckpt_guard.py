@@ -14,13 +14,14 @@ that cannot run code.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
 import os
 
 import torch
 import torch.distributed as dist
+
+from megatron_scalevec.training.corpus import sha256_file
 
 MANIFEST = "scalevec_manifest.json"
 MANIFEST_VERSION = 1
@@ -45,14 +46,6 @@ def _version_tuple(text: str) -> tuple:
         digits = "".join(c for c in part if c.isdigit())
         out.append(int(digits) if digits else 0)
     return tuple(out)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _files(ckpt_dir: str) -> list:
@@ -83,7 +76,7 @@ def write_manifest(ckpt_dir: str, **extra) -> None:
     from rank 0 (fsync'd, atomic rename)."""
     files = _files(ckpt_dir)
     mine = {f: {"size": os.path.getsize(os.path.join(ckpt_dir, f)),
-                "sha256": _sha256(os.path.join(ckpt_dir, f))} for f in _split(files)}
+                "sha256": sha256_file(os.path.join(ckpt_dir, f))} for f in _split(files)}
     entries = {}
     for part in _gather(mine):
         entries.update(part)
@@ -121,7 +114,7 @@ def _check_file(ckpt_dir: str, rel: str, want: dict):
     size = os.path.getsize(path)
     if size != want["size"]:
         return f"{path}: {size} bytes, {want['size']} when written (truncated or replaced)"
-    if "sha256" in want and _sha256(path) != want["sha256"]:
+    if "sha256" in want and sha256_file(path) != want["sha256"]:
         return f"{path}: checksum mismatch (the bytes changed since the checkpoint was written)"
     return None
 
