@@ -17,7 +17,7 @@ and the map back of its gradient, timed alone, times the micro-batches).
 
 A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / ``activation``
 (ScaleVecConfig.apply_mode) and ``compile`` / ``eager`` (the fused DNP kernels through
-torch.compile, or not; default: what the trainer does, compiled on CUDA only).
+torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+# The fused DNP kernels stay eager in tests (subprocesses and forked ranks inherit this):
+# compiling every shape of every test would cost more than the tests themselves.
+os.environ.setdefault("MEGATRON_SCALEVEC_FUSED_COMPILE", "off")
+
 from megatron_scalevec.compat.cpu import enable_cpu_compat  # noqa: E402
 
 enable_cpu_compat()

@@ -72,6 +72,29 @@ def test_resume_tp2_to_tp1_continues_from_same_loss(tmp_path):
         assert abs(a - b) < 1e-4, (resumed, straight)
 
 
+def test_grouped_gemm_experts_train_like_sequential(tmp_path, monkeypatch):
+    """--moe-grouped-gemm: our grouped_mm experts run, and give the sequential experts' losses
+    (same seed, same state-dict keys, so the same initial weights)."""
+    from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP
+
+    marker, forward = tmp_path / "grouped_calls", ScaleVecGroupedMLP.forward
+
+    def counted(self, *args):  # the ranks are forked: they inherit this patch
+        with open(marker, "a") as f:
+            f.write(".")
+        return forward(self, *args)
+
+    monkeypatch.setattr(ScaleVecGroupedMLP, "forward", counted)
+    moe = ["--spec", "scalevec_moe", "--num-experts", "4", "--train-iters", "4"]
+    seq = _run(1, *moe, run_dir=tmp_path / "seq")
+    assert not marker.exists()
+    grouped = _run(1, *moe, "--moe-grouped-gemm", run_dir=tmp_path / "grouped")
+    assert marker.exists()
+    assert len(grouped) == 4 and grouped[-1] < grouped[0]
+    for a, b in zip(seq, grouped):
+        assert abs(a - b) <= 1e-5 * abs(a), (seq, grouped)
+
+
 def test_bad_checkpoints_fail_clearly(tmp_path):
     ck = tmp_path / "ck"
     _run(1, "--train-iters", "2", "--save", str(ck), run_dir=tmp_path / "r")
@@ -108,6 +131,8 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     (["--spec", "baseline", "--scalevec", "unified"], 1, "--spec baseline"),
     (["--lr-decay-style", "step"], 1, "invalid choice"),
     (["--fp8-format", "hybrid", "--transformer-impl", "local"], 1, "--fp8-format needs"),
+    (["--moe-grouped-gemm"], 1, "--moe-grouped-gemm applies to MoE experts"),
+    (["--fused-compile", "yes"], 1, "invalid choice"),
 ] + ([] if importlib.util.find_spec("transformer_engine") else [
     (["--transformer-impl", "transformer_engine"], 1, "needs Transformer Engine installed"),
 ]))

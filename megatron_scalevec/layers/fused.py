@@ -11,15 +11,20 @@ no full-size tensor that the stock layer does not keep already.
   of forward and backward are all-reduced.
 
 The element-wise bodies are plain tensor functions, run eagerly or through ``torch.compile``
-(``set_compile``; ``auto`` compiles on CUDA only, so CPU tests and the CPU trainer stay eager,
-which the benchmark measured faster there). ``reference()`` switches every call to the
-autograd composite it replaces: the tests compare the two.
+(``set_compile``, or ``MEGATRON_SCALEVEC_FUSED_COMPILE`` in the environment). ``auto`` compiles
+on CPU and CUDA: the benchmark measured it faster on both (eager unified +15% step time vs
+``shared`` on CPU, compiled +5%). The tests set ``off`` (compiling every shape of every test
+costs more than the tests). Where inductor cannot compile (no C++ compiler), ``auto`` falls back
+to eager once, with one warning. ``reference()`` switches every call to the autograd composite
+it replaces: the tests compare the two.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import warnings
 from typing import Optional
 
 import torch
@@ -27,15 +32,24 @@ import torch.nn.functional as F
 
 from megatron_scalevec import sharding
 
-_STATE = {"compile": "auto", "reference": False}
+_ENV = "MEGATRON_SCALEVEC_FUSED_COMPILE"
+_STATE = {"compile": os.environ.get(_ENV, "auto"), "reference": False, "broken": False}
 _COMPILED: dict = {}
 
 
 def set_compile(mode: str) -> None:
     """``auto`` (compiled on CUDA tensors), ``on`` or ``off``."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"fused compile mode must be auto, on or off, got {mode!r}")
+    _check_mode(mode, "fused compile mode")
     _STATE["compile"] = mode
+
+
+def _check_mode(mode: str, what: str) -> None:
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{what} must be auto, on or off, got {mode!r}")
+
+
+def compile_mode() -> str:
+    return _STATE["compile"]
 
 
 @contextlib.contextmanager
@@ -55,11 +69,37 @@ def use_reference() -> bool:
 
 def _kernel(fn, x: torch.Tensor):
     mode = _STATE["compile"]
-    if mode == "off" or (mode == "auto" and not x.is_cuda):
+    _check_mode(mode, f"{_ENV} / fused compile mode")
+    if mode == "off" or (mode == "auto" and _STATE["broken"]):
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=None)
+        _COMPILED[fn] = _guarded(fn, torch.compile(fn, dynamic=None))
     return _COMPILED[fn]
+
+
+def _guarded(fn, compiled):
+    """``compiled``, or under ``auto`` the eager ``fn`` for good once compiling has failed."""
+
+    def call(*args):
+        if _STATE["broken"] and _STATE["compile"] == "auto":
+            return fn(*args)
+        try:
+            return compiled(*args)
+        except Exception as err:  # inductor raises many types (no compiler, unsupported op)
+            if _STATE["compile"] != "auto" or not _is_compile_error(err):
+                raise
+            _STATE["broken"] = True
+            warnings.warn(f"torch.compile of the fused DNP kernels failed ({type(err).__name__});"
+                          f" running them eagerly (set {_ENV}=off to skip compiling)",
+                          stacklevel=2)
+            return fn(*args)
+
+    return call
+
+
+def _is_compile_error(err: Exception) -> bool:
+    mod = type(err).__module__ or ""
+    return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor")
 
 
 # ---------------------------------------------------------------- RoPE pieces (last dim)

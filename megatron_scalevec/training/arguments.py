@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-token-dispatcher-type", default="alltoall",
                    choices=("allgather", "alltoall"))
     g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="grouped-GEMM experts (torch grouped_mm, or TE's GroupedLinear under "
+                        "--transformer-impl transformer_engine) instead of sequential ones")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -73,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"))
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fused-compile", default=None, choices=("auto", "on", "off"),
+                   help="torch.compile of the fused DNP kernels (default: "
+                        "$MEGATRON_SCALEVEC_FUSED_COMPILE, else auto = compiled, eager if "
+                        "compiling fails)")
     g.add_argument("--transformer-impl", default=None, choices=("local", "transformer_engine"),
                    help="linear/attention implementation (default: transformer_engine when "
                         "Transformer Engine is installed, else local); FP8 needs TE")
@@ -269,6 +276,8 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     if a.data_path and a.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
 
+    _need(not a.moe_grouped_gemm or bool(a.num_experts),
+          "--moe-grouped-gemm applies to MoE experts; this model is dense (no --num-experts)")
     have_te = importlib.util.find_spec("transformer_engine") is not None
     if a.transformer_impl is None:
         a.transformer_impl = "transformer_engine" if have_te else "local"
@@ -277,6 +286,9 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
           "(pip install 'megatron_scalevec[te]'); use --transformer-impl local")
     _need(a.fp8_format is None or a.transformer_impl == "transformer_engine",
           "--fp8-format needs --transformer-impl transformer_engine (FP8 comes from TE's GEMMs)")
+    _need(not (a.moe_grouped_gemm and a.spec == "baseline" and a.transformer_impl == "local"),
+          "--moe-grouped-gemm with --spec baseline needs --transformer-impl transformer_engine "
+          "(megatron-core's local spec has no grouped experts without the grouped_gemm package)")
     a.run_dir = a.run_dir or a.save or os.path.join("runs", default_run_name(a))
     _refuse_other_run(a)
     return a

@@ -16,7 +16,8 @@ def transformer_config(args, vocab_size):
                    moe_layer_freq=args.moe_layer_freq,
                    moe_token_dispatcher_type=args.moe_token_dispatcher_type,
                    moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-                   moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=False)
+                   moe_router_load_balancing_type="aux_loss",
+                   moe_grouped_gemm=args.moe_grouped_gemm)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -47,7 +48,7 @@ def _layer_spec(args):
 
         if args.transformer_impl == "transformer_engine":
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-                num_experts=args.num_experts, moe_grouped_gemm=False,
+                num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
                 qk_layernorm=args.qk_layernorm)
         return gpt_layer_specs.get_gpt_layer_local_spec(
             num_experts=args.num_experts, moe_grouped_gemm=False,

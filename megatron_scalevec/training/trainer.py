@@ -310,6 +310,10 @@ def main(argv=None) -> list:
     started = time.time()
     created = _init_distributed(args)
     args = parse_args(argv, world_size=dist.get_world_size())
+    if args.fused_compile is not None:
+        from megatron_scalevec.layers import fused  # noqa: PLC0415
+
+        fused.set_compile(args.fused_compile)
     trainer = None
     try:
         with summary.folded_backend_warnings(folded):

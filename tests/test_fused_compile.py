@@ -1,0 +1,94 @@
+"""The compiled fused DNP kernels (what the trainer and the benchmark run by default) equal the
+reference, and ``auto`` falls back to eager, once and with one warning, where compiling fails."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_scalevec.layers import fused
+
+
+@contextlib.contextmanager
+def _mode(mode):
+    saved = fused.compile_mode()
+    fused.set_compile(mode)
+    try:
+        yield
+    finally:
+        fused.set_compile(saved)
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _grads(fn, inputs, dy):
+    y = fn()
+    return (y, *torch.autograd.grad(y, inputs, dy))
+
+
+def _head_and_glu(x, a, rope, z, a_g, a_u):
+    h = fused.head_norm(x, a, 1e-5, "RMSNorm", rope)
+    g = fused.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5)
+    return torch.cat([h.flatten(), g.flatten()])
+
+
+def test_compiled_kernels_match_reference():
+    torch.manual_seed(3)
+    x = torch.randn(6, 2, 2, 16, requires_grad=True)
+    a = (1 + 0.3 * torch.randn(16)).requires_grad_()
+    f = torch.randn(6, 1, 1, 8)
+    rope = fused.rope_cos_sin(torch.cat([f, f], -1), 1.0, x.dtype)
+    z = torch.randn(6, 2, 24, requires_grad=True)
+    a_g = (1 + 0.3 * torch.randn(12)).requires_grad_()
+    a_u = (1 + 0.3 * torch.randn(12)).requires_grad_()
+    inputs = (x, a, z, a_g, a_u)
+    dy = torch.randn(6 * 2 * 2 * 16 + 6 * 2 * 12)
+    fused._COMPILED.clear()
+    with _mode("on"):
+        got = _grads(lambda: _head_and_glu(x, a, rope, z, a_g, a_u), inputs, dy)
+    assert fused._COMPILED, "nothing was compiled"
+    with fused.reference():
+        ref = _grads(lambda: _head_and_glu(x, a, rope, z, a_g, a_u), inputs, dy)
+    for name, g, r in zip(("out", "dx", "da", "dz", "da_g", "da_u"), got, ref):
+        assert _rel(g, r) < 1e-5, (name, _rel(g, r))
+
+
+def test_auto_falls_back_to_eager_once(monkeypatch):
+    from torch._dynamo.exc import BackendCompilerFailed  # noqa: PLC0415
+
+    calls = []
+
+    def broken(fn, **kw):
+        def run(*args):
+            calls.append(fn.__name__)
+            raise BackendCompilerFailed(lambda *a: None, RuntimeError("no C++ compiler"), None)
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setitem(fused._STATE, "broken", False)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    a = torch.ones(8, requires_grad=True)
+    with _mode("on"), pytest.raises(BackendCompilerFailed):
+        fused.head_norm(x, a, 1e-5, "RMSNorm")
+    with _mode("auto"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        y = fused.head_norm(x, a, 1e-5, "RMSNorm")
+        y2 = fused.head_norm(x, a, 1e-5, "RMSNorm")
+    with fused.reference():
+        ref = fused.head_norm(x, a, 1e-5, "RMSNorm")
+    assert _rel(y, ref) < 1e-6 and _rel(y2, ref) < 1e-6
+    assert sum("running them eagerly" in str(w.message) for w in seen) == 1
+    assert len(calls) == 2  # once under "on", once before the fallback; never again
+
+
+def test_bad_mode_is_one_clear_error(monkeypatch):
+    with pytest.raises(ValueError, match="auto, on or off"):
+        fused.set_compile("yes")
+    monkeypatch.setitem(fused._STATE, "compile", "fast")  # as from the environment
+    with pytest.raises(ValueError, match="MEGATRON_SCALEVEC_FUSED_COMPILE"):
+        fused.head_norm(torch.randn(2, 4), None, 1e-5, "RMSNorm")
