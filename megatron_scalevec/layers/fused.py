@@ -259,6 +259,11 @@ def _glu_fwd(z, mean, rstd, a_g, a_u, act, gated: bool):
     return (act(ng) * nu).to(z.dtype)
 
 
+def _vector_grad(prod, a):
+    """d a: summed over rows for a vector; per row when ``a`` is given per row (experts)."""
+    return prod if a.dim() > 1 else prod.flatten(0, -2).sum(0)
+
+
 def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots):
     """``dots is None``: the per-row sums the norm backward needs ([..., 2P]); else (dz, da_g,
     da_u) with those sums (all-reduced, divided by the width) given."""
@@ -287,44 +292,59 @@ def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots):
         if mean is not None:
             d = d - dots[..., parts + i:parts + i + 1]
         dz.append(d * rstd[..., i:i + 1])
-    da_u = (dnu * uh).flatten(0, -2).sum(0)
-    da_g = (dng * gh).flatten(0, -2).sum(0) if gated else None
+    da_u = _vector_grad(dnu * uh, a_u)
+    da_g = _vector_grad(dng * gh, a_g) if gated else None
     return torch.cat(dz, -1).to(z.dtype), da_g, da_u
 
 
 class _GLUNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n):
+    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids):
         mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
-        h = _kernel(_glu_fwd, z)(z, mean, rstd, a_g, a_u, act, gated)
-        ctx.save_for_backward(z, mean, rstd, a_g, a_u)
+        h = _kernel(_glu_fwd, z)(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated)
+        ctx.save_for_backward(z, mean, rstd, a_g, a_u, ids)
         ctx.act, ctx.gated, ctx.group, ctx.n = act, gated, group, n
         return h
 
     @staticmethod
     def backward(ctx, dh):
-        z, mean, rstd, a_g, a_u = ctx.saved_tensors
-        args = (dh, z, mean, rstd, a_g, a_u, ctx.act, ctx.gated)
+        z, mean, rstd, a_g, a_u, ids = ctx.saved_tensors
+        args = (dh, z, mean, rstd, *_rows(ids, a_g, a_u), ctx.act, ctx.gated)
         kernel = _kernel(_glu_bwd, z)
         dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
         dz, da_g, da_u = kernel(*args, dots)
-        return dz, da_g, da_u, None, None, None, None, None, None
+        if ids is not None:  # per-row gradients summed into each expert's vector
+            da_u = torch.zeros_like(a_u, dtype=torch.float32).index_add_(0, ids, da_u)
+            if da_g is not None:
+                da_g = torch.zeros_like(a_g, dtype=torch.float32).index_add_(0, ids, da_g)
+        return dz, da_g, da_u, None, None, None, None, None, None, None
+
+
+def _rows(ids, *vectors):
+    """Each row's vector: ``a[ids]`` for per-expert vectors [E, f], else the vectors as given
+    (gathered transiently, never saved)."""
+    if ids is None:
+        return vectors
+    return tuple(None if a is None else a.index_select(0, ids) for a in vectors)
 
 
 def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, group=None,
-             width: Optional[int] = None):
+             width: Optional[int] = None, ids: Optional[torch.Tensor] = None):
     """``act(a_g N(gate)) * a_u N(up)`` (``act(a_u N(z))`` when not gated); ``z`` = fc1's
-    local output, ``[gate, up]`` halves; N over ``width`` (the logical FFN width)."""
+    local output, ``[gate, up]`` halves; N over ``width`` (the logical FFN width). With
+    ``ids`` (grouped experts: row t belongs to expert ids[t]) ``a_g``, ``a_u`` are [E, f], one
+    vector per expert."""
     layer = _layer_norm(normalization)
     local = z.shape[-1] // (2 if gated else 1)
     n = width or local * sharding.group_size(group)
     if use_reference():
+        a_g, a_u = _rows(ids, a_g, a_u)
         gate, up = _parts(z, gated)
         nu = (_norm_reference(up, layer, eps, group, n) * a_u).to(z.dtype)
         if not gated:
             return act(nu)
         return act((_norm_reference(gate, layer, eps, group, n) * a_g).to(z.dtype)) * nu
-    return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n)
+    return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n, ids)
 
 
 # ---------------------------------------------------------------- shared helpers

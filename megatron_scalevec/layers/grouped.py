@@ -8,9 +8,10 @@ rule or a converter sees no difference; only ``forward`` changes. Per forward:
   batched operation: ``W1_eff[e] = diag(a^e) W1[e] diag(gamma^e)`` per slot (gate / up), the
   OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`);
 * ``h = grouped_mm(x, W1_eff)`` over the tokens sorted by expert (``offs`` = cumulative ends);
-* DNP: the scale-free norm over each token's FFN width (all-reduced over expert TP when split),
-  then the token's expert's output vector, gathered per row;
-* GLU, the router probabilities, ``out = grouped_mm(h, W2)``.
+* DNP and the GLU in one lean pass (layers/fused.py ``glu_norm`` with per-row vectors): the
+  scale-free norm over each token's FFN width (all-reduced over expert TP when split), its
+  expert's output vector, the activation; then the router probabilities,
+  ``out = grouped_mm(h, W2)``.
 
 The expert linears are local GEMMs (the dispatcher does the expert-TP / EP communication), so
 this is the same computation as the per-expert loop, in two GEMMs. megatron-core 0.16.1 has
@@ -25,8 +26,8 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
+from megatron_scalevec.layers import fused
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
-from megatron_scalevec.norms import normalize
 from megatron_scalevec.vectors import ScaleVector
 
 __all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_gamma"]
@@ -142,39 +143,6 @@ class _StackedFold(torch.autograd.Function):
         return (dcol, drow, None, *dw.unbind(0))
 
 
-def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
-    if sharding.group_size(group) > 1:
-        torch.distributed.all_reduce(t, group=group)
-    return t
-
-
-class _RowScaledRMSNorm(torch.autograd.Function):
-    """``gamma[ids[t]] * x[t] / rms(x[t])``: DNP's norm with each row scaled by its expert's
-    vector; saves ``x``, the per-row ``1/rms`` and the small [E, f] gamma (as norms.py's
-    scaled RMSNorm). Statistics over the whole width when it is split over ``group``."""
-
-    @staticmethod
-    def forward(ctx, x, gamma, ids, eps, group, n):
-        xf = x.float()
-        rstd = torch.rsqrt(_sum_over(xf.pow(2).sum(-1, keepdim=True), group) / n + eps)
-        ctx.save_for_backward(x, rstd, gamma, ids)
-        ctx.group, ctx.n = group, n
-        return (xf * rstd * gamma.index_select(0, ids)).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, rstd, gamma, ids = ctx.saved_tensors
-        xhat = x.float() * rstd
-        dy = dy.float()
-        dgamma = None
-        if ctx.needs_input_grad[1]:
-            dgamma = torch.zeros_like(gamma).index_add_(0, ids, dy * xhat)
-        dy = dy * gamma.index_select(0, ids)
-        dot = _sum_over((dy * xhat).sum(-1, keepdim=True), ctx.group) / ctx.n
-        dx = rstd * (dy - xhat * dot)
-        return dx.to(x.dtype), dgamma, None, None, None, None
-
-
 class _Fc1View:
     """The layout of the experts' fc1 (alike across experts), and the experts themselves."""
 
@@ -222,24 +190,16 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         row = _slot_stack(fc1, lambda m: m.scale_out, fc1.rows)  # [E, S, r]
         return _StackedFold.apply(col, row, fc1.groups, *weights)
 
-    def _dnp(self, h: torch.Tensor, norms: list, ids: torch.Tensor) -> torch.Tensor:
-        """Each row normalized over its expert's FFN width, times that expert's vector."""
-        n0 = norms[0]
-        gamma = stacked_gamma(norms)  # [E, f]
-        if n0.normalization == "RMSNorm":
-            return _RowScaledRMSNorm.apply(h, gamma, ids, n0.eps, n0.split_group,
-                                           n0.global_size)
-        y = normalize(h, n0.normalization, n0.eps, n0.split_group, n0.global_size)
-        return (y * gamma.index_select(0, ids)).to(h.dtype)
-
     def _activation(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config
-        if experts[0].up_norm is not None:  # DNP, as ScaleVecMLP.forward
-            if cfg.gated_linear_unit:
-                gate, up = torch.chunk(h, 2, dim=-1)
-                return cfg.activation_func(self._dnp(gate, [e.gate_norm for e in experts], ids)) \
-                    * self._dnp(up, [e.up_norm for e in experts], ids)
-            return cfg.activation_func(self._dnp(h, [e.up_norm for e in experts], ids))
+        if experts[0].up_norm is not None:  # DNP: the lean fused GLU norm, per-expert vectors
+            gated = cfg.gated_linear_unit
+            n0 = experts[0].up_norm
+            a_g = stacked_gamma([e.gate_norm for e in experts]) if gated else None
+            return fused.glu_norm(h, a_g, stacked_gamma([e.up_norm for e in experts]),
+                                  cfg.activation_func, gated=gated,
+                                  normalization=n0.normalization, eps=n0.eps,
+                                  group=n0.split_group, width=n0.global_size, ids=ids)
         if not cfg.gated_linear_unit:  # as megatron-core's MLP.forward (unfused)
             return cfg.activation_func(h)
         gate, up = torch.chunk(h, 2, dim=-1)
