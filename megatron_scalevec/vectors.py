@@ -87,11 +87,13 @@ class ScaleVector(nn.Module):
         """Inside the block every call returns the gamma computed on entry: one autograd node,
         so a vector used by several modules (shared expert vectors) is transformed and its
         gradient reduced once per forward, not once per user."""
-        self._once = ScaleVector.forward(self)  # the gamma, also for a norm subclass
+        # object.__setattr__: a plain fp32 gamma is the Parameter itself, which
+        # Module.__setattr__ would try to register as a parameter named _once
+        object.__setattr__(self, "_once", ScaleVector.forward(self))  # also for a norm
         try:
             yield
         finally:
-            self._once = None
+            object.__setattr__(self, "_once", None)
 
     def forward(self) -> Optional[torch.Tensor]:
         """The effective gamma [size] (float32), or None when there is no vector."""
