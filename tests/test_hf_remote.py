@@ -1,6 +1,7 @@
-"""Hugging Face export of every strategy (issue 11 item 9): DNP strategies through our own
-trust_remote_code modeling file, the tokenizer shipped, normal permissions, and the reported
-difference measured on the export loaded back. Forked one-rank gloo children."""
+"""Hugging Face export of every strategy (issue 11 item 9): DNP strategies (dense and MoE) and
+MoE layouts without a stock family through our own trust_remote_code modeling file, the
+tokenizer shipped, normal permissions, and the reported difference measured on the export
+loaded back. Forked one-rank gloo children."""
 
 import importlib.util
 import os
@@ -14,6 +15,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
                                 reason="transformers (test extra) not installed")
 FP32_TOL = 1e-4
 BF16_TOL = 0.1  # bf16 weights and activations against float32 logits of O(1)
+# MoE: relative to the largest |logit| of the source. bf16 is loose: a token whose top-k
+# experts are near a tie can be routed differently in bf16 than in float32.
+MOE_FP32_REL = 1e-5
+MOE_BF16_REL = 0.1
+MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,25 @@ def _arch(**kw):
     return ModelArch(**base)
 
 
-def _export_case(rank, world, tmp, strategy, dtype_name, tokenizer, extra):
+def _convert_cli(src, out, dtype_name, tokenizer):
+    import contextlib
+    import importlib.util as iu
+    import io
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = iu.spec_from_file_location("cc", os.path.join(root, "tools", "convert_checkpoint.py"))
+    cli = iu.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    argv = ["--load", src, "--to", "hf", "--save", out,
+            "--dtype", {"float32": "fp32", "bfloat16": "bf16"}[dtype_name]]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli.main(argv + (["--tokenizer-model", tokenizer] if tokenizer else [])) == 0
+    return json.loads(printed.getvalue())
+
+
+def _export_case(rank, world, tmp, strategy, dtype_name, tokenizer, extra, cli=False):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,15 +76,20 @@ def _export_case(rank, world, tmp, strategy, dtype_name, tokenizer, extra):
     save_full(full_state_dict(model), arch, src, show_progress=False)
     old = os.umask(0o022)
     try:
-        report = convert(src, out, "hf", dtype=dtype, tokenizer=tokenizer)
+        report = _convert_cli(src, out, dtype_name, tokenizer) if cli else \
+            convert(src, out, "hf", dtype=dtype, tokenizer=tokenizer)
     finally:
         os.umask(old)
     tokens, pos = sample_batch(arch)
     ref = logits(model, tokens, pos)
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, trust_remote_code=True).eval()
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=dtype, trust_remote_code=True,
+                                                    output_loading_info=True)
+    hf.eval()
     with torch.no_grad():
         diff = float((hf(input_ids=tokens).logits.float() - ref).abs().max())
     result = dict(report=report, diff=diff, cls=type(hf).__name__,
+                  scale=float(ref.abs().max()), config=hf.config.to_dict(),
+                  loading={k: sorted(map(str, v)) for k, v in info.items() if v},
                   files=sorted(os.listdir(out)),
                   modes={f: stat.S_IMODE(os.stat(os.path.join(out, f)).st_mode)
                          for f in os.listdir(out)},
@@ -99,21 +128,49 @@ def test_stock_strategy_still_exports_as_llama(tmp_path):
     assert not r["report"]["remote_code"] and r["diff"] < FP32_TOL
 
 
-def _moe_dnp_case(rank, world, tmp):
-    from megatron_scalevec.convert.api import convert
-    from megatron_scalevec.convert.arch import build_model
-    from megatron_scalevec.convert.io import full_state_dict, save_full
+# strategy, dtype, arch changes, through the CLI
+MOE_CASES = {
+    "unified_fp32": ("unified", "float32", MOE, True),
+    "unified_bf16": ("unified", "bfloat16", MOE, False),
+    # one norm set for all experts, a shared expert, a dense first layer, pre-softmax routing
+    "hg_dnp_shared_vectors": ("hg+dnp", "float32", dict(
+        MOE, expert_vectors="shared", moe_shared_expert_intermediate_size=16,
+        moe_layer_freq=[0, 1], moe_router_pre_softmax=True), False),
+    # no DNP, but a shared expert: no stock family (Mixtral / Qwen3-MoE have none), no QK norm
+    "hg_dp_or_shared_expert": ("hg+dp+or", "float32",
+                               dict(MOE, moe_shared_expert_intermediate_size=16), False),
+}
 
-    arch = _arch(scalevec="unified", num_moe_experts=4, moe_ffn_hidden_size=24)
-    save_full(full_state_dict(build_model(arch)), arch, os.path.join(tmp, "src"),
-              show_progress=False)
-    try:
-        convert(os.path.join(tmp, "src"), os.path.join(tmp, "hf"), "hf")
-    except ValueError as e:
-        return str(e), os.path.exists(os.path.join(tmp, "hf"))
-    return None, True
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_exports_with_our_modeling_file(tmp_path, spm_model, case):
+    strategy, dtype, extra, cli = MOE_CASES[case]
+    r = run_on_ranks(_export_case, 1, str(tmp_path), strategy, dtype, spm_model, extra, cli)[0]
+    rep, cfg = r["report"], r["config"]
+    assert rep["architecture"] == r["cls"] == "ScaleVecQwen3ForCausalLM" and rep["remote_code"]
+    dnp = strategy != "hg+dp+or"
+    assert rep["dnp_branches"] == (["v", "gate", "up"] if dnp else [])
+    assert not r["loading"], r["loading"]  # every tensor of the file used, none missing
+    pattern = [1 if i % extra.get("moe_layer_freq", 1) == 0 else 0 for i in range(2)] \
+        if isinstance(extra.get("moe_layer_freq", 1), int) else extra["moe_layer_freq"]
+    assert cfg["scalevec_moe_layers"] == pattern and cfg["num_experts"] == 4
+    assert cfg["norm_topk_prob"] == (not extra.get("moe_router_pre_softmax", False))
+    assert cfg["scalevec_qk_norm"] == dnp
+    tol = (MOE_FP32_REL if dtype == "float32" else MOE_BF16_REL) * r["scale"]
+    assert r["diff"] < tol and abs(rep["max_logit_diff"] - r["diff"]) < 1e-6, (r, tol)
+    assert {"config.json", "model.safetensors", "modeling_scalevec.py", "tokenizer.json",
+            "tokenizer.model", "tokenizer_config.json"} <= set(r["files"])
+    assert all(m == 0o644 for m in r["modes"].values()) and r["dir_mode"] == 0o755, r["modes"]
+    assert r["prompt"] == "def main():\n" and r["new_tokens"] == 6
 
 
-def test_moe_with_dnp_is_refused_clearly(tmp_path):
-    message, exists = run_on_ranks(_moe_dnp_case, 1, str(tmp_path))[0]
-    assert message and "MoE model with DNP" in message and not exists
+def test_unsupported_routing_is_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from megatron_scalevec.convert.hf_remote import check_routing
+
+    check_routing(SimpleNamespace(moe_router_score_function="softmax"))
+    with pytest.raises(ValueError, match="moe_router_score_function.*sigmoid") as e:
+        check_routing(SimpleNamespace(moe_router_score_function="sigmoid",
+                                      moe_router_enable_expert_bias=False))
+    assert "\n" not in str(e.value)

@@ -10,8 +10,9 @@ megatron-core names at TP=PP=1):
 * :mod:`.fold` -- any variant without DNP on V/gate/up -> stock megatron-core (exact).
 * :mod:`.hf` -- stock <-> Hugging Face Llama / Qwen3 / Mixtral / Qwen3-MoE (transformers is
   an optional extra).
-* :mod:`.hf_remote` -- export of every strategy: a stock family where one fits, else (DNP) our
-  own modeling file (:mod:`.hf_modeling`, copied into the export); measured on the export.
+* :mod:`.hf_remote` -- export of every strategy: a stock family where one fits, else (DNP,
+  dense or MoE; MoE layouts with no stock family) our own modeling file
+  (:mod:`.hf_modeling`, copied into the export); measured on the export.
 * :mod:`.hf_tokenizer` -- the SentencePiece tokenizer as ``tokenizer.json`` for AutoTokenizer.
 
 ``tools/convert_checkpoint.py`` is the command line over these.

@@ -1,11 +1,13 @@
 """Stock megatron-core <-> Hugging Face transformers, names as Megatron-Bridge maps them.
 
 Families: dense ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with Q/K norms) and MoE
-``MixtralForCausalLM`` (``Qwen3MoeForCausalLM`` with Q/K norms); MoE exports need every layer
-MoE, no shared experts. Export: any variant is folded to stock first (fold.py, exact), then
-mapped here. Import: the HF model is mapped to stock names and warm-started into any variant
-(warmstart.py). Experts are written in the Hub's per-expert layout (``experts.{e}.w1`` /
-``gate_proj``...), which transformers 5 regroups on load.
+``MixtralForCausalLM`` (``Qwen3MoeForCausalLM`` with Q/K norms); these MoE families need every
+layer MoE, no shared experts (other MoE layouts and DNP go out with our own modeling file,
+hf_remote.py, under the names ``remote=True`` gives). Export: any variant is folded to
+stock first (fold.py, exact), then mapped here. Import: the HF model is mapped to stock
+names and warm-started into any variant (warmstart.py). Experts are written in the Hub's
+per-expert layout (``experts.{e}.w1`` / ``gate_proj``...), which transformers 5 regroups on
+load.
 
 Layouts handled exactly:
 
@@ -64,21 +66,51 @@ def family(arch: ModelArch) -> str:
     return "Qwen3ForCausalLM" if arch.qk_layernorm else "LlamaForCausalLM"
 
 
-def _mlp_pairs(arch: ModelArch, i: int) -> list:
-    """(stock fc1, stock fc2, hf gate, hf up, hf down) per expert (or the dense MLP)."""
-    _, _, mlp, (g, u, d) = FAMILIES[family(arch)]
-    p, q = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.{mlp}."
+def moe_layers(arch: ModelArch) -> list:
+    """0/1 per layer: which layers are MoE (megatron-core's ``moe_layer_freq``)."""
     if not arch.is_moe:
-        return [(p + "linear_fc1.weight", p + "linear_fc2.weight", q + g + ".weight",
-                 q + u + ".weight", q + d + ".weight")]
-    return [(f"{p}experts.local_experts.{e}.linear_fc1.weight",
-             f"{p}experts.local_experts.{e}.linear_fc2.weight",
-             f"{q}experts.{e}.{g}.weight", f"{q}experts.{e}.{u}.weight",
-             f"{q}experts.{e}.{d}.weight") for e in range(arch.num_moe_experts)]
+        return [0] * arch.num_layers
+    freq = arch.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(arch.num_layers)]
+    if len(freq) != arch.num_layers:
+        raise ValueError(f"moe_layer_freq has {len(freq)} entries for {arch.num_layers} layers")
+    return [int(m) for m in freq]
 
 
-def _router_pair(arch: ModelArch, i: int):
-    mlp = FAMILIES[family(arch)][2]
+def _mlp_pairs(arch: ModelArch, i: int, remote: bool = False) -> list:
+    """(stock fc1, stock fc2, hf gate, hf up, hf down, width) per expert (or the dense MLP).
+    ``remote``: our modeling file's names (hf_modeling.py): dense and MoE layers per
+    ``moe_layer_freq``, experts as ``mlp.experts.{e}``, the shared expert as
+    ``mlp.shared_expert``."""
+    if remote:
+        mlp, (g, u, d), is_moe = "mlp", FAMILIES["Qwen3MoeForCausalLM"][3], moe_layers(arch)[i]
+    else:
+        _, _, mlp, (g, u, d) = FAMILIES[family(arch)]
+        is_moe = arch.is_moe
+    p, q = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.{mlp}."
+
+    def pair(ours, theirs, width):
+        return (f"{p}{ours}linear_fc1.weight", f"{p}{ours}linear_fc2.weight",
+                f"{q}{theirs}{g}.weight", f"{q}{theirs}{u}.weight", f"{q}{theirs}{d}.weight",
+                width)
+
+    if not is_moe:
+        return [pair("", "", arch.ffn_hidden_size)]
+    width = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+    pairs = [pair(f"experts.local_experts.{e}.", f"experts.{e}.", width)
+             for e in range(arch.num_moe_experts)]
+    if remote and arch.moe_shared_expert_intermediate_size:
+        pairs.append(pair("shared_experts.", "shared_expert.",
+                          arch.moe_shared_expert_intermediate_size))
+    return pairs
+
+
+def _router_pair(arch: ModelArch, i: int, remote: bool = False):
+    """(stock router, hf router) of layer ``i``, or None for a dense layer."""
+    if not (moe_layers(arch)[i] if remote else arch.is_moe):
+        return None
+    mlp = "mlp" if remote else FAMILIES[family(arch)][2]
     return f"decoder.layers.{i}.mlp.router.weight", f"model.layers.{i}.{mlp}.gate.weight"
 
 # (megatron stock suffix, HF suffix) per layer, for tensors mapped one to one.
@@ -104,8 +136,9 @@ def _qkv_view(arch: ModelArch, w: torch.Tensor) -> torch.Tensor:
     return w.view(groups, hpg + 2, d, arch.hidden_size)
 
 
-def stock_to_hf(sd: StateDict, arch: ModelArch) -> StateDict:
-    """Stock megatron-core full state dict -> HF Llama/Qwen3 state dict."""
+def stock_to_hf(sd: StateDict, arch: ModelArch, remote: bool = False) -> StateDict:
+    """Stock megatron-core full state dict -> HF Llama/Qwen3 state dict (``remote``: the
+    names of our modeling file, see :func:`_mlp_pairs`)."""
     if not arch.gated_linear_unit or arch.normalization != "RMSNorm":
         raise ValueError("HF Llama/Qwen3 export needs a gated MLP (SwiGLU) and RMSNorm")
     out: StateDict = {}
@@ -128,14 +161,14 @@ def stock_to_hf(sd: StateDict, arch: ModelArch) -> StateDict:
         out[q + "self_attn.q_proj.weight"] = qkv[:, :hpg].reshape(-1, arch.hidden_size)
         out[q + "self_attn.k_proj.weight"] = qkv[:, hpg].reshape(-1, arch.hidden_size)
         out[q + "self_attn.v_proj.weight"] = qkv[:, hpg + 1].reshape(-1, arch.hidden_size)
-        for fc1, fc2, gate, up, down in _mlp_pairs(arch, i):
+        for fc1, fc2, gate, up, down, _ in _mlp_pairs(arch, i, remote):
             w = take(fc1)
             assert w.shape[0] % 2 == 0, f"{fc1} {tuple(w.shape)} is not [gate; up]"
             out[gate], out[up] = w.chunk(2, dim=0)
             out[down] = take(fc2)
-        if arch.is_moe:
-            ours, theirs = _router_pair(arch, i)
-            out[theirs] = take(ours)
+        router = _router_pair(arch, i, remote)
+        if router:
+            out[router[1]] = take(router[0])
     left = sorted(set(sd) - used)
     if left:
         raise ValueError(f"stock tensors with no Hugging Face name: {left[:8]}")
@@ -169,12 +202,12 @@ def hf_to_stock(hf: StateDict, arch: ModelArch) -> StateDict:
         kw = take(q + "self_attn.k_proj.weight").reshape(g, 1, d, h)
         vw = take(q + "self_attn.v_proj.weight").reshape(g, 1, d, h)
         out[p + "self_attention.linear_qkv.weight"] = torch.cat([qw, kw, vw], 1).reshape(-1, h)
-        for fc1, fc2, gate, up, down in _mlp_pairs(arch, i):
+        for fc1, fc2, gate, up, down, _ in _mlp_pairs(arch, i):
             out[fc1] = torch.cat([take(gate), take(up)], 0)
             out[fc2] = take(down)
-        if arch.is_moe:
-            ours, theirs = _router_pair(arch, i)
-            out[ours] = take(theirs)
+        router = _router_pair(arch, i)
+        if router:
+            out[router[0]] = take(router[1])
     left = sorted(set(hf) - used)
     if left:
         raise ValueError(f"Hugging Face tensors the converter does not know: {left[:8]}")
@@ -279,8 +312,8 @@ def import_hf(in_dir: str) -> tuple[StateDict, ModelArch]:
     return hf_to_stock(hf, arch), arch
 
 
-def _expected_hf_shapes(arch: ModelArch) -> dict:
-    h, d, f = arch.hidden_size, arch.kv_channels, arch.ffn_hidden_size
+def _expected_hf_shapes(arch: ModelArch, remote: bool = False) -> dict:
+    h, d = arch.hidden_size, arch.kv_channels
     nq, nkv = arch.num_attention_heads * d, arch.num_query_groups * d
     shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
     if not arch.tie_embeddings:
@@ -291,11 +324,11 @@ def _expected_hf_shapes(arch: ModelArch) -> dict:
             q + "input_layernorm.weight": (h,), q + "post_attention_layernorm.weight": (h,),
             q + "self_attn.q_proj.weight": (nq, h), q + "self_attn.k_proj.weight": (nkv, h),
             q + "self_attn.v_proj.weight": (nkv, h), q + "self_attn.o_proj.weight": (h, nq)})
-        ffn = arch.moe_ffn_hidden_size or f if arch.is_moe else f
-        for _, _, gate, up, down in _mlp_pairs(arch, i):
+        for _, _, gate, up, down, ffn in _mlp_pairs(arch, i, remote):
             shapes.update({gate: (ffn, h), up: (ffn, h), down: (h, ffn)})
-        if arch.is_moe:
-            shapes[_router_pair(arch, i)[1]] = (arch.num_moe_experts, h)
+        router = _router_pair(arch, i, remote)
+        if router:
+            shapes[router[1]] = (arch.num_moe_experts, h)
         if arch.qk_layernorm:
             shapes[q + "self_attn.q_norm.weight"] = (d,)
             shapes[q + "self_attn.k_norm.weight"] = (d,)

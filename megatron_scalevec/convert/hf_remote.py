@@ -1,13 +1,19 @@
 """Export any strategy to Hugging Face, and measure the export itself.
 
 * A strategy that folds to stock megatron-core (no DNP on V / gate / up) goes out as a stock
-  architecture (hf.py: Llama, Qwen3, Mixtral, Qwen3-MoE): no custom code.
-* DNP (e.g. ``unified``): every foldable vector is folded (HG gammas into the matrices, OR /
-  ER resolved to plain gammas, Q/K norms to Qwen3's), and the V / gate / up norms' gammas are
-  kept; the directory then carries our own modeling file (``hf_modeling.py`` copied as
-  ``modeling_scalevec.py``: a Qwen3 subclass, plain code we ship) registered with the Auto
-  classes through ``auto_map``, loaded with ``trust_remote_code=True``. Dense models only so
-  far; MoE with DNP is refused with that reason.
+  architecture (hf.py: Llama, Qwen3, Mixtral, Qwen3-MoE) where one fits: no custom code.
+* DNP (e.g. ``unified``, ``hg+dnp``), dense or MoE: every foldable vector is folded (HG
+  gammas into the matrices and the router, OR / ER resolved to plain gammas, Q/K norms to
+  Qwen3's), and the V / gate / up norms' gammas are kept (per expert; a norm shared by the
+  routed experts, ``expert_vectors='shared'``, is written once per expert; the shared
+  expert's own). The directory then carries our own modeling file (``hf_modeling.py``
+  copied as ``modeling_scalevec.py``: a Qwen3 subclass with megatron-core's MoE layer, plain
+  code we ship) registered with the Auto classes through ``auto_map``, loaded with
+  ``trust_remote_code=True``.
+* The same file also takes an MoE model no stock family fits (a shared expert, dense layers
+  between MoE ones, pre-softmax routing without Q/K norms), DNP or not.
+* Refused in one line: LayerNorm or a non-gated MLP (hf.py), and routing other than
+  megatron-core's default softmax top-k (:func:`check_routing`).
 
 The export is written to a temporary directory, loaded back from there with transformers at
 the chosen dtype (the stock families without remote code), and its logits compared with the
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -38,30 +45,96 @@ MODELING_FILE = "modeling_scalevec.py"
 REMOTE_ARCH = "ScaleVecQwen3ForCausalLM"
 AUTO_MAP = {"AutoConfig": "modeling_scalevec.ScaleVecQwen3Config",
             "AutoModelForCausalLM": "modeling_scalevec.ScaleVecQwen3ForCausalLM"}
-_BRANCH_NAMES = {"self_attention.v_norm": ("v", "self_attn.v_proj.norm.weight"),
-                 "mlp.gate_norm": ("gate", "mlp.gate_proj.norm.weight"),
-                 "mlp.up_norm": ("up", "mlp.up_proj.norm.weight")}
+_BRANCHES = ("v", "gate", "up")
+# our DNP norm (module name below decoder.layers.{i}.) -> (branch, HF module below
+# model.layers.{i}.); {e} is an expert id. A norm shared by all routed experts
+# (expert_vectors='shared') is written once per expert.
+_DNP_NAMES = [
+    (r"self_attention\.v_norm", "v", "self_attn.v_proj"),
+    (r"mlp\.(gate|up)_norm", None, "mlp.{b}_proj"),
+    (r"mlp\.experts\.local_experts\.(\d+)\.(gate|up)_norm", None, "mlp.experts.{e}.{b}_proj"),
+    (r"mlp\.experts\.shared_vectors\.(gate|up)_norm", None, "mlp.experts.{e}.{b}_proj"),
+    (r"mlp\.shared_experts\.(gate|up)_norm", None, "mlp.shared_expert.{b}_proj"),
+]
+
+
+def _dnp_target(name: str, experts: int) -> tuple[str, list]:
+    """(branch, HF gamma names) of one of our DNP gammas (module name + .weight)."""
+    layer, rest = name[len("decoder.layers."):].split(".", 1)
+    for pattern, branch, theirs in _DNP_NAMES:
+        m = re.fullmatch(pattern + r"\.weight", rest)
+        if m:
+            groups = m.groups()
+            branch = branch or groups[-1]
+            ids = [groups[0]] if len(groups) == 2 else range(experts) if "{e}" in theirs \
+                else [None]
+            return branch, [f"model.layers.{layer}.{theirs.format(b=branch, e=e)}.norm.weight"
+                            for e in ids]
+    raise ValueError(f"no Hugging Face name for the DNP norm {name}")
 
 
 def _dnp_to_hf(dnp: StateDict, arch: ModelArch) -> tuple[StateDict, list]:
-    """Our DNP gammas (module name + .weight) -> HF names; the branches present."""
+    """Our DNP gammas -> HF names (one copy per expert for shared ones); the branches."""
     out, branches = {}, set()
     for name, gamma in dnp.items():
-        layer, rest = name[len("decoder.layers."):].split(".", 1)
-        key = rest[:-len(".weight")]
-        if key not in _BRANCH_NAMES:
-            raise ValueError(f"no Hugging Face name for the DNP norm {name}")
-        branch, theirs = _BRANCH_NAMES[key]
+        branch, keys = _dnp_target(name, arch.num_moe_experts or 0)
         branches.add(branch)
-        out[f"model.layers.{layer}.{theirs}"] = gamma
-    return out, sorted(branches, key=["v", "gate", "up"].index)
+        out.update({key: gamma.clone() for key in keys})
+    return out, sorted(branches, key=list(_BRANCHES).index)
+
+
+def _expected_dnp_shapes(arch: ModelArch, branches: list) -> dict:
+    """Every DNP gamma our modeling file builds for ``branches`` (names and shapes)."""
+    shapes = {}
+    for i in range(arch.num_layers):
+        q = f"model.layers.{i}."
+        if "v" in branches:
+            shapes[q + "self_attn.v_proj.norm.weight"] = (arch.kv_channels,)
+        for _, _, gate, up, _, width in _hf._mlp_pairs(arch, i, remote=True):
+            for b, key in (("gate", gate), ("up", up)):
+                if b in branches:
+                    shapes[key[:-len(".weight")] + ".norm.weight"] = (width,)
+    return shapes
+
+
+# megatron-core routing options our modeling file computes only at their defaults
+_ROUTING_DEFAULTS = dict(moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
+                         moe_router_num_groups=None, moe_router_enable_expert_bias=False,
+                         moe_shared_expert_gate=False, moe_expert_capacity_factor=None)
+
+
+def check_routing(config) -> None:
+    """Refuse a megatron MoE config whose routing our modeling file does not compute."""
+    bad = {k: getattr(config, k, v) for k, v in _ROUTING_DEFAULTS.items()
+           if getattr(config, k, v) != v}
+    if bad:
+        raise ValueError(f"Hugging Face export of this MoE model: {bad} not supported (the "
+                         f"exported router computes {_ROUTING_DEFAULTS})")
+
+
+def stock_fits(arch: ModelArch) -> Optional[str]:
+    """None when a stock Hugging Face family computes ``arch`` (a stock arch), else why not."""
+    try:
+        _hf.family(arch)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _remote_config(arch: ModelArch, branches: list, dtype: torch.dtype, ids: dict) -> dict:
-    cfg = _hf.hf_config(arch).to_dict()  # Qwen3 (the arch has Q/K norms)
+    dense = arch.replace(num_moe_experts=None, qk_layernorm=True)
+    cfg = _hf.hf_config(dense).to_dict()  # Qwen3; Q/K norm off below when the arch has none
     cfg.update(ids)
     cfg.update(model_type="scalevec_qwen3", architectures=[REMOTE_ARCH], auto_map=AUTO_MAP,
-               scalevec_normed_branches=branches, dtype=str(dtype).replace("torch.", ""))
+               scalevec_normed_branches=branches, scalevec_qk_norm=arch.qk_layernorm,
+               dtype=str(dtype).replace("torch.", ""))
+    if arch.is_moe:
+        cfg.update(scalevec_moe_layers=_hf.moe_layers(arch), num_experts=arch.num_moe_experts,
+                   num_experts_per_tok=arch.moe_router_topk,
+                   moe_intermediate_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+                   shared_expert_intermediate_size=(
+                       arch.moe_shared_expert_intermediate_size or 0),
+                   norm_topk_prob=not arch.moe_router_pre_softmax)
     return cfg
 
 
@@ -78,16 +151,17 @@ def export(sd: StateDict, arch: ModelArch, out_dir: str, *, overwrite: bool = Fa
         model = build_model(arch)
         load_full_into(model, sd, f"{arch.scalevec} state dict")
         stock_sd, stock_arch, dnp = fold_to_stock(model, arch, keep_dnp=True)
-    remote = bool(dnp)
-    if remote and arch.is_moe:
-        raise ValueError("Hugging Face export of an MoE model with DNP norms on V/gate/up is "
-                         "not implemented (dense models only); keep the scale-vector format")
-    hf_sd = _hf.stock_to_hf(stock_sd, stock_arch)
-    check_names_and_shapes(hf_sd, _hf._expected_hf_shapes(stock_arch), "Hugging Face export")
+    if arch.is_moe:
+        check_routing(arch.transformer_config())
+    remote = bool(dnp) or stock_fits(stock_arch) is not None
+    hf_sd = _hf.stock_to_hf(stock_sd, stock_arch, remote)
+    expected = _hf._expected_hf_shapes(stock_arch, remote)
     branches = []
     if remote:
         extra, branches = _dnp_to_hf(dnp, stock_arch)
         hf_sd.update(extra)
+        expected.update(_expected_dnp_shapes(stock_arch, branches))
+    check_names_and_shapes(hf_sd, expected, "Hugging Face export")
     with atomic_output_dir(out_dir, overwrite) as tmp:
         ids = {}
         if tokenizer:
