@@ -93,3 +93,13 @@ def test_split_vector_equals_unsplit(kind):
     for res in run_on_ranks(_split_vs_full, 2, kind):
         assert res["gamma_err"] < 1e-6
         assert res["scalar_grad_err"] < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["plain", "or", "er"])
+def test_computed_once_returns_one_gamma(kind):
+    # a plain fp32 gamma is the Parameter itself: computed_once must not register it
+    v = ScaleVector(6, kind)
+    with v.computed_once():
+        first = v()
+        assert v() is first and "_once" not in dict(v.named_parameters())
+    assert torch.equal(v(), first.detach())
