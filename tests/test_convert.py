@@ -405,6 +405,48 @@ def test_trainer_converter_round_trip(tmp_path, tiny_data):
     assert hf["tokenizer"] and hf["max_logit_diff"] < HF_TOL, hf
 
 
+def _export_vs_megatron(rank, world, ck, out):
+    """Max |logits| gap between the HF export (float32) and megatron's forward of ``ck``, the
+    logit scale, and how many tokens generate() adds to a prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_scalevec.convert.api import read_checkpoint
+    from megatron_scalevec.convert.arch import build_model, logits, sample_batch
+    from megatron_scalevec.convert.io import load_full_into
+
+    sd, arch = read_checkpoint(ck)
+    model = build_model(arch)
+    load_full_into(model, sd, "trained")
+    tokens, pos = sample_batch(arch)
+    ref = logits(model, tokens, pos)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                              trust_remote_code=True).eval()
+    with torch.no_grad():
+        diff = float((hf(input_ids=tokens).logits.float() - ref).abs().max())
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("def main():\n", return_tensors="pt").input_ids
+    new = hf.generate(ids, max_new_tokens=4, do_sample=False).shape[1] - ids.shape[1]
+    return arch.is_moe, diff, float(ref.abs().max()), new
+
+
+def test_trained_moe_unified_exports_to_hf(tmp_path, tiny_data):
+    """A trained MoE ``unified`` checkpoint (per-expert DNP norms) -> converter --to hf as is
+    -> our modeling file's logits equal megatron's; generate() works."""
+    prefix, tok = tiny_data
+    j = functools.partial(os.path.join, str(tmp_path))
+    moe = ["--spec", "scalevec_moe", "--num-experts", "4", "--moe-ffn-hidden-size", "32"]
+    run_on_ranks(_train, 1, TRAIN[2:] + moe + [
+        "--data-path", prefix, "--tokenizer-model", tok, "--scalevec", "unified",
+        "--train-iters", "3", "--save", j("ck"), "--run-dir", j("r")])
+    rc, hf = run_on_ranks(_cli_json, 1, ["--load", j("ck"), "--to", "hf", "--save",
+                                         j("hf")])[0]
+    assert rc == 0 and hf["architecture"] == "ScaleVecQwen3ForCausalLM" and hf["tokenizer"]
+    is_moe, diff, scale, new = run_on_ranks(_export_vs_megatron, 1, j("ck"), j("hf"))[0]
+    assert is_moe and diff < 1e-5 * scale and hf["max_logit_diff"] < 1e-5 * scale, (diff, hf)
+    assert new == 4
+
+
 MOCK = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
