@@ -38,6 +38,9 @@ def add_arguments(p) -> None:
     g.add_argument("--candidates", nargs="+", default=CANDIDATES)
     g.add_argument("--settings", nargs="+", default=["adam-cosine"],
                    help="OPTIMIZER-SCHEDULE: adam|muon x cosine|wsd|linear")
+    g.add_argument("--muon-lr", type=float, default=None,
+                   help="grid centre for the muon-* settings (default: --lr); Muon's spectral "
+                        "update is smaller per element than Adam's, so its best LR sits higher")
     g.add_argument("--lr-points", type=int, default=5, help="initial grid size per variant")
     g.add_argument("--lr-factor", type=float, default=2.0, help="grid spacing (ratio)")
     g.add_argument("--max-extend", type=int, default=2,
@@ -64,6 +67,12 @@ def parse_setting(s: str) -> tuple:
         raise SystemExit(f"--settings {s!r}: expected OPTIMIZER-SCHEDULE with OPTIMIZER adam or "
                          f"muon and SCHEDULE one of {', '.join(SCHEDULES)}")
     return opt, sched
+
+
+def centre_lr(a, setting: str) -> float:
+    """The LR grid's centre for one setting: ``--muon-lr`` for Muon when given, else ``--lr``."""
+    muon = parse_setting(setting)[0] == "muon" and getattr(a, "muon_lr", None)
+    return a.muon_lr if muon else a.lr
 
 
 def settings(a, log=print) -> list:
@@ -148,7 +157,7 @@ def tuning_plan(a, base_argv, root):
                 if v == "stock" and width is None:
                     grids[(family, setting, v)] = (None, None)
                     continue
-                grid = tuning.lr_grid(a.lr, a.lr_points, a.lr_factor)
+                grid = tuning.lr_grid(centre_lr(a, setting), a.lr_points, a.lr_factor)
                 for _ in range(a.max_extend + 1):
                     rs = [make_run(a, base_argv, family, setting, v, lr,
                                    tuning.TUNE_SEED0 + k, width)
