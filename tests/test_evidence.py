@@ -214,6 +214,17 @@ def test_tuned_settings_and_muon_note():
         tuned.parse_setting("adamw-cosine")
 
 
+def test_muon_lr_centres_only_the_muon_grids(tmp_path):
+    a = _tuned_args(str(tmp_path), "--settings", "adam-wsd", "muon-wsd", "--muon-lr", "1.2e-2")
+    assert tuned.centre_lr(a, "muon-wsd") == 1.2e-2 and tuned.centre_lr(a, "adam-wsd") == 3e-3
+    assert tuned.centre_lr(_tuned_args(str(tmp_path)), "muon-cosine") == 3e-3  # default --lr
+    runs, _ = tuned.tuning_plan(a, ablation._base_argv, str(tmp_path))
+    lrs = {s: {r.labels["lr"] for r in runs if r.labels["setting"] == s} for s in a.settings}
+    assert lrs["adam-wsd"] == {1.5e-3, 3e-3, 6e-3}
+    if not tuned.muon_available():  # Muon rows run here (Python >= 3.12)
+        assert lrs["muon-wsd"] == {6e-3, 1.2e-2, 2.4e-2}
+
+
 def test_tuned_default_budget_is_2p5_tokens_per_param():
     a = ablation.finish_args(ablation.build_parser().parse_args([]))
     n = scaling.approx_params(a.num_layers, a.hidden_size, 4096)
