@@ -39,8 +39,8 @@ def add_arguments(p) -> None:
     g.add_argument("--settings", nargs="+", default=["adam-cosine"],
                    help="OPTIMIZER-SCHEDULE: adam|muon x cosine|wsd|linear")
     g.add_argument("--muon-lr", type=float, default=None,
-                   help="grid centre for the muon-* settings (default: --lr); Muon's spectral "
-                        "update is smaller per element than Adam's, so its best LR sits higher")
+                   help="grid centre for the muon-* settings (default: --lr): one run can "
+                        "centre Muon where an Adam tuning of the same model ended")
     g.add_argument("--lr-points", type=int, default=5, help="initial grid size per variant")
     g.add_argument("--lr-factor", type=float, default=2.0, help="grid spacing (ratio)")
     g.add_argument("--max-extend", type=int, default=2,
