@@ -6,7 +6,8 @@ rule or a converter sees no difference; only ``forward`` changes. Per forward:
 
 * the fc1 weights of the local experts are stacked and every expert's vectors folded in one
   batched operation: ``W1_eff[e] = diag(a^e) W1[e] diag(gamma^e)`` per slot (gate / up), the
-  OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`);
+  OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`); once
+  per optimizer step when there are several micro-batches (layers/fold_cache.py);
 * ``h = grouped_mm(x, W1_eff)`` over the tokens sorted by expert (``offs`` = cumulative ends);
 * DNP and the GLU in one lean pass (layers/fused.py ``glu_norm`` with per-row vectors): the
   scale-free norm over each token's FFN width (all-reduced over expert TP when split), its
@@ -26,11 +27,12 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers import fused
+from megatron_scalevec.layers import fold_cache, fused
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import ScaleVector
 
-__all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_gamma"]
+__all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_fold",
+           "stacked_fold_backward", "stacked_forward_weight", "stacked_gamma"]
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None)
@@ -112,35 +114,77 @@ def _fold_scale(col, row, dtype):
     return scale[:, None].to(dtype)
 
 
+def _stacked_layout(col, row, groups, weights) -> tuple:
+    out, width = weights[0].shape
+    s = (col if col is not None else row).shape[1]
+    return groups, s, out // (groups * s), width
+
+
+def stacked_fold(weights, col, row, groups) -> torch.Tensor:
+    """[E, out, in]: ``stack(W)[e] * (a^e x gamma^e)`` per slot, for all experts at once."""
+    w = torch.stack(weights)
+    shape = (len(weights), *_stacked_layout(col, row, groups, weights))
+    return (w.view(shape) * _fold_scale(col, row, w.dtype)).view_as(w)
+
+
+def stacked_fold_backward(grad, weights, col, row, groups, needs) -> tuple:
+    """Gradients of (col, row, *weights) from dL/dW_eff [E, out, in] (``needs``: which);
+    the weights' in their dtype (``grad`` may be an fp32 accumulation)."""
+    d = grad.reshape(len(weights), *_stacked_layout(col, row, groups, weights))
+    dw = (d * _fold_scale(col, row, d.dtype)).view_as(grad).to(weights[0].dtype)
+    dcol = drow = None
+    if needs[0] or needs[1]:
+        t = (d * torch.stack(weights).view_as(d)).float().sum(1)  # [E, S, r, in]
+        if col is not None and needs[0]:
+            dcol = (t * row[..., None]).sum(2) if row is not None else t.sum(2)
+        if row is not None and needs[1]:
+            drow = (t * col[:, :, None, :]).sum(3) if col is not None else t.sum(3)
+    return (dcol, drow, *dw.unbind(0))
+
+
 class _StackedFold(torch.autograd.Function):
-    """``stack(W)[e] * (a^e x gamma^e)`` per slot, for all experts at once. Keeps only the
-    small vectors for backward (the weights are the parameters themselves): the stacked and
-    the folded weights are rebuilt there, never kept per micro-batch."""
+    """:func:`stacked_fold` that keeps only the small vectors for backward (the weights are
+    the parameters themselves): the stacked and the folded weights are rebuilt there."""
 
     @staticmethod
     def forward(ctx, col, row, groups, *weights):
-        w = torch.stack(weights)  # [E, out, in]
-        e, out, width = w.shape
-        s = (col if col is not None else row).shape[1]
-        ctx.layout = (groups, s, out // (groups * s), width)
+        ctx.groups = groups
         ctx.save_for_backward(col, row, *weights)
-        shape = (e, groups, s, out // (groups * s), width)
-        return (w.view(shape) * _fold_scale(col, row, w.dtype)).view_as(w)
+        return stacked_fold(weights, col, row, groups)
 
     @staticmethod
     def backward(ctx, grad):
         col, row, *weights = ctx.saved_tensors
-        groups, s, r, width = ctx.layout
-        d = grad.reshape(len(weights), groups, s, r, width)
-        dw = (d * _fold_scale(col, row, d.dtype)).view_as(grad)
-        dcol = drow = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            t = (d * torch.stack(weights).view_as(d)).float().sum(1)  # [E, S, r, in]
-            if col is not None and ctx.needs_input_grad[0]:
-                dcol = (t * row[..., None]).sum(2) if row is not None else t.sum(2)
-            if row is not None and ctx.needs_input_grad[1]:
-                drow = (t * col[:, :, None, :]).sum(3) if col is not None else t.sum(3)
-        return (dcol, drow, None, *dw.unbind(0))
+        dcol, drow, *dw = stacked_fold_backward(grad, weights, col, row, ctx.groups,
+                                                ctx.needs_input_grad[:2])
+        return (dcol, drow, None, *dw)
+
+
+def stacked_forward_weight(module, fc1, weights) -> torch.Tensor:
+    """[E, out, in] folded fc1 weights of the experts ``fc1`` (a view with ``experts``,
+    ``groups``, ``slots``, ``rows``): built once per optimizer step when that is on
+    (layers/fold_cache.py; ``module`` holds the cycle), else folded now."""
+    weights = tuple(weights)
+    groups = fc1.groups
+
+    def vectors():  # (col [E, S, in], row [E, S, r])
+        return (_slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1]),
+                _slot_stack(fc1, lambda m: m.scale_out, fc1.rows))
+
+    ops = fold_cache.FoldOps(
+        weights, vectors, lambda ws, vs: stacked_fold(ws, vs[0], vs[1], groups),
+        lambda g, ws, vs, needs: _reorder(stacked_fold_backward(
+            g, ws, vs[0], vs[1], groups, (needs[-2], needs[-1]))))
+    w_eff = fold_cache.step_weight(module, ops)
+    if w_eff is not None:
+        return w_eff
+    col, row = vectors()
+    return _StackedFold.apply(col, row, groups, *weights)
+
+
+def _reorder(grads) -> tuple:
+    """(dcol, drow, *dw) -> (*dw, dcol, drow): fold_cache's (*weights, *vectors) order."""
+    return (*grads[2:], grads[0], grads[1])
 
 
 class _Fc1View:
@@ -172,6 +216,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                                           f"'transformer_engine' or grouped_gemm=False")
         super().__init__(num_local_experts, config, submodules, pg_collection, name,
                          scalevec=scalevec)
+        self.scalevec = scalevec  # read by layers/fold_cache.py
         align = 16 // self.config.params_dtype.itemsize
         ffn = self.config.moe_ffn_hidden_size // sharding.group_size(self.tp_group)
         if self.config.hidden_size % align or ffn % align:
@@ -186,9 +231,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         weights = [f.weight for f in fc1.experts]
         if not fc1.has_scale_vectors:
             return torch.stack(weights)
-        col = _slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1])  # [E, S, in]
-        row = _slot_stack(fc1, lambda m: m.scale_out, fc1.rows)  # [E, S, r]
-        return _StackedFold.apply(col, row, fc1.groups, *weights)
+        return stacked_forward_weight(self, fc1, weights)
 
     def _activation(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config

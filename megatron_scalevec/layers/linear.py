@@ -20,8 +20,9 @@ ways to apply it, chosen by ``ScaleVecConfig.apply_mode``:
 * ``weight``: build that effective weight (one pass over out x in) and run one GEMM. Default
   for megatron-core's local linears. The effective weight is never kept for backward (it would
   be weight-sized memory per micro-batch in flight): ``_FoldedLinear`` keeps W and the vectors
-  and rebuilds it in backward. Gradient-accumulation fusion is off for these layers since the
-  GEMM's weight is not the leaf parameter.
+  and rebuilds it in backward; or, with several micro-batches per step, it is built once per
+  optimizer step and its gradient mapped back once (layers/fold_cache.py). Gradient-accumulation
+  fusion is off for these layers since the GEMM's weight is not the leaf parameter.
 * ``activation``: scale the input by each branch's gamma, run the linear (one GEMM per
   distinct input vector), keep that branch's rows, then scale by ``a``. It never touches the
   weight, so it works for linears that own their weight (Transformer Engine, FP8).
@@ -37,7 +38,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import fused
+from megatron_scalevec.layers import fold_cache, fused
 from megatron_scalevec.vectors import ScaleVector
 
 
@@ -75,6 +76,22 @@ def fold_weight(weight, row, col, layout) -> torch.Tensor:
     return (w * scale.to(w.dtype)).view_as(weight)
 
 
+def fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:
+    """(dW, d row, d col) from G = dL/dW_eff [out, in] (``needs``: which of the three):
+    dW = G * scale, d col[s, j] = sum_{g,i} G W row[s, i], d row[s, i] = sum_{g,j} G W col[s, j].
+    dW in W's dtype; G may be an fp32 accumulation."""
+    d_w = fold_weight(g_eff, row, col, layout).to(weight.dtype) if needs[0] else None
+    d_row = d_col = None
+    if (row is not None and needs[1]) or (col is not None and needs[2]):
+        g4 = g_eff.view(*layout, weight.shape[1])
+        p = g4.float() * weight.view_as(g4).float()
+        if row is not None and needs[1]:
+            d_row = torch.einsum("gsij,sj->si", p, col) if col is not None else p.sum((0, 3))
+        if col is not None and needs[2]:
+            d_col = torch.einsum("gsij,si->sj", p, row) if row is not None else p.sum((0, 2))
+    return d_w, d_row, d_col
+
+
 def _gather_tokens(x, group):
     out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
@@ -86,8 +103,8 @@ class _FoldedLinear(torch.autograd.Function):
     communication (sequence-parallel gather of x, all-reduce or reduce-scatter of its gradient).
 
     Keeps x (this rank's shard under SP, as megatron-core does), W and the vectors; backward
-    rebuilds the effective weight (one more pass over out x in) and maps its gradient G back:
-    dW = G * scale, d col[s, j] = sum_{g,i} G W row[s, i], d row[s, i] = sum_{g,j} G W col[s, j].
+    rebuilds the effective weight (one more pass over out x in) and maps its gradient back
+    (:func:`fold_backward`).
     """
 
     @staticmethod
@@ -119,18 +136,8 @@ class _FoldedLinear(torch.autograd.Function):
             dx = shard
         dy2 = dy.reshape(-1, dy.shape[-1])
         g_eff = dy2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out, in]
-        g4 = g_eff.view(*ctx.layout, weight.shape[1])
-        need = ctx.needs_input_grad
-        d_w = fold_weight(g_eff, row, col, ctx.layout) if need[1] else None
-        d_row = d_col = None
-        if (row is not None and need[2]) or (col is not None and need[3]):
-            p = g4.float() * weight.view_as(g4).float()
-            if row is not None and need[2]:
-                d_row = (torch.einsum("gsij,sj->si", p, col) if col is not None
-                         else p.sum((0, 3)))
-            if col is not None and need[3]:
-                d_col = (torch.einsum("gsij,si->sj", p, row) if row is not None
-                         else p.sum((0, 2)))
+        d_w, d_row, d_col = fold_backward(g_eff, weight, row, col, ctx.layout,
+                                          ctx.needs_input_grad[1:4])
         d_bias = dy2.sum(0) if ctx.has_bias else None
         return dx, d_w, d_row, d_col, d_bias, None, None, None, None
 
@@ -213,6 +220,20 @@ class ScaleVecLinearMixin:
         row, col = self.fold_vectors()
         return fold_weight(weight, row, col, self.fold_layout)
 
+    def forward_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The effective weight a training forward uses: the one built once per optimizer step
+        (layers/fold_cache.py) when that is on, else :meth:`effective_weight`."""
+        w_eff = fold_cache.step_weight(self, self.fold_ops(weight))
+        return self.effective_weight(weight) if w_eff is None else w_eff
+
+    def fold_ops(self, weight: torch.Tensor) -> fold_cache.FoldOps:
+        """This layer's fold for layers/fold_cache.py: vectors (row, col)."""
+        layout = self.fold_layout
+        return fold_cache.FoldOps(
+            (weight,), self.fold_vectors,
+            lambda ws, vs: fold_weight(ws[0], vs[0], vs[1], layout),
+            lambda g, ws, vs, needs: fold_backward(g, ws[0], vs[0], vs[1], layout, needs))
+
     def _activation_forward(self, x: torch.Tensor, call):
         """Activation-side application around any linear ``call(x) -> (out, bias)``."""
         if len(self.scale_in) == 0:
@@ -286,9 +307,13 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
                 **kwargs)
         if grad_output_buffer is not None:
             raise NotImplementedError("deferred wgrad compute with folded scale vectors")
-        row, col = self.fold_vectors()
-        if fused.use_reference():  # tests: the autograd fold (keeps W_eff)
-            w_eff = fold_weight(weight, row, col, self.fold_layout)
+        w_eff = fold_cache.step_weight(self, self.fold_ops(weight))
+        row = col = None
+        if w_eff is None:
+            row, col = self.fold_vectors()
+            if fused.use_reference():  # tests: the autograd fold (keeps W_eff)
+                w_eff = fold_weight(weight, row, col, self.fold_layout)
+        if w_eff is not None:  # once per step, or the reference: megatron-core's own GEMM
             return super()._forward_impl(
                 input, w_eff, bias, False, allreduce_dgrad, sequence_parallel, None, None,
                 tp_group=tp_group, **kwargs)

@@ -14,8 +14,9 @@ QKV / fc1 GEMM runs once, and TE's fused norm (and its fused FP8 cast) is kept:
   ``TEColumnParallelGroupedLinear`` subclass folding expert e's vectors into ``weight{e}``.
 * the MoE pre-norm: TE's norm, scale-free (frozen identity) unless ``shared``.
 
-The fold is :meth:`ScaleVecLinearMixin.effective_weight` (dense, per expert) and
-layers/grouped.py's batched fold (grouped): the functions the local path runs and tests.
+The fold is :meth:`ScaleVecLinearMixin.forward_weight` (dense, per expert) and layers/grouped.py's
+``stacked_forward_weight`` (grouped): the functions the local path runs and tests, once per
+optimizer step when that is on (layers/fold_cache.py).
 Written against TE 2.9-2.11 with megatron-core 0.16.1; NOT run here (TE cannot be installed
 on these CPU machines): tests/test_te_spec.py checks the classes over stand-in TE bases.
 """
@@ -108,7 +109,7 @@ def make_te_classes(base: dict) -> dict:
             weights = super()._get_weight_tensors()
             if not self.has_scale_vectors:
                 return weights
-            return [self.effective_weight(weights[0])]
+            return [self.forward_weight(weights[0])]
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
@@ -181,6 +182,7 @@ def make_grouped_class(base):
                 raise ValueError("DP output-side vectors with a linear bias are not supported: "
                                  "set add_bias_linear=False")
             super().__init__(num_gemms, input_size, output_size, config=config, **kwargs)
+            self.scalevec = scalevec  # read by layers/fold_cache.py
             group = sharding.tp_group(is_expert=True)
             self.scale_vectors = torch.nn.ModuleList(
                 _ExpertVectors(scalevec, config, input_size, _out_local(output_size, True),
@@ -190,15 +192,13 @@ def make_grouped_class(base):
                 self.fuse_wgrad_accumulation = False
 
         def _get_weight_tensors(self):
-            from megatron_scalevec.layers.grouped import _slot_stack, _StackedFold  # noqa
+            from megatron_scalevec.layers.grouped import stacked_forward_weight  # noqa
 
             weights = list(super()._get_weight_tensors())
             if not self.has_scale_vectors:
                 return weights
-            view = _VectorsView(self.scale_vectors)
-            col = _slot_stack(view, lambda m: m.scale_in, weights[0].shape[-1])
-            row = _slot_stack(view, lambda m: m.scale_out, view.rows)
-            return list(_StackedFold.apply(col, row, view.groups, *weights).unbind(0))
+            return list(stacked_forward_weight(self, _VectorsView(self.scale_vectors),
+                                               weights).unbind(0))
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """The vectors at their global expert ids, under the sequential experts' keys

@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_scalevec.layers import fold_cache
 from megatron_scalevec.specs import get_scalevec_block_spec
 
 VOCAB = 64
@@ -91,9 +92,11 @@ def batches(num: int, micro_batch: int, seed: int = 3) -> list:
     return out
 
 
-def wrap_ddp(model, config, distributed_optimizer: bool = False):
+def wrap_ddp(model, config, distributed_optimizer: bool = False,
+             overlap_grad_reduce: bool = False):
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer)
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
+        overlap_grad_reduce=overlap_grad_reduce)
     return DistributedDataParallel(config, ddp_config, model)
 
 
@@ -139,9 +142,10 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             return out, lambda t: (t.float().mean(), {"loss": t.float().mean().detach()})
 
-        res = fwd_bwd(forward_step_func=step, data_iterator=it, model=[ddp_model],
-                      num_microbatches=len(mine), seq_length=SEQ,
-                      micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
+        with fold_cache.step(len(mine)):  # as the trainer: the fold once per step
+            res = fwd_bwd(forward_step_func=step, data_iterator=it, model=[ddp_model],
+                          num_microbatches=len(mine), seq_length=SEQ,
+                          micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
         loss = torch.tensor(0.0)
         if parallel_state.is_pipeline_last_stage():
             loss = torch.stack([r["loss"] for r in res]).mean()

@@ -199,7 +199,10 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._run(iterator, forward_only=False)
+        from megatron_scalevec.layers import fold_cache  # noqa: PLC0415
+
+        with fold_cache.step(self.args.num_microbatches):  # the fold once per step
+            losses = self._run(iterator, forward_only=False)
         loss = _mean_loss(losses, self.device)
         if self.args.check_for_nan_in_loss_and_grad:
             faults.check_step(self.model, loss, self.iteration + 1, self.device)
