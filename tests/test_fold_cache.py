@@ -71,6 +71,7 @@ CASES = {
                                     config=dict(MOE, moe_grouped_gemm=True)),
     "moe_grouped_ep2_distopt": dict(world=2, ep=2, dist_opt=True,
                                     config=dict(MOE, moe_grouped_gemm=True)),
+    "moe_grouped_tp2_sp": dict(world=2, tp=2, sp=True, config=dict(MOE, moe_grouped_gemm=True)),
 }
 
 
@@ -94,10 +95,12 @@ def test_step_fold_equals_micro_batch_fold(case):
         assert r["cycles"][0] > 0 and r["cycles"][1] == 0, r["cycles"]  # the mode really ran
 
 
-@pytest.mark.parametrize("strategy", ["hg+dp+er", "hg+dp"])
-def test_step_fold_equals_micro_batch_fold_output_vectors(strategy):
+@pytest.mark.parametrize("case,strategy", [("dense_tp2_sp_overlap", "hg+dp+er"),
+                                           ("dense_tp2_sp_overlap", "hg+dp"),
+                                           ("moe_grouped_tp2_sp", "hg+dp+er")])
+def test_step_fold_equals_micro_batch_fold_output_vectors(case, strategy):
     """Both sides of the fold (DP's output vector, plain and ER), TP2: split output rows."""
-    _check("dense_tp2_sp_overlap", strategy, 4)
+    _check(case, strategy, 4)
 
 
 @pytest.mark.parametrize("case", ["dense_dp2_distopt_overlap", "moe_grouped_dp2_overlap"])
