@@ -12,12 +12,14 @@ compares medians over the rounds. Memory is reported as
 
 Ratios are printed against megatron-core's stock spec and against our ``shared`` in one table
 (whichever of the two is among the variants). ``fold %`` is the share of the step spent
-folding vectors into weights (layers/linear.py: the fold in forward, its rebuild in backward
-and the map back of its gradient, timed alone, times the micro-batches).
+folding vectors into weights, timed alone (:func:`fold_seconds`): once per optimizer step
+(layers/fold_cache.py, the default with several micro-batches) or per micro-batch (one
+micro-batch, or ``@mbfold``).
 
 A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / ``activation``
-(ScaleVecConfig.apply_mode) and ``compile`` / ``eager`` (the fused DNP kernels through
-torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails).
+(ScaleVecConfig.apply_mode), ``compile`` / ``eager`` (the fused DNP kernels through
+torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails) and
+``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch).
 """
 
 from __future__ import annotations
@@ -38,18 +40,21 @@ DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dn
 def parse_variant(name: str):
     """(ScaleVecConfig or None for ``stock``, fused compile mode) of a variant name."""
     strategy, _, opts = name.partition("@")
-    mode, compile_mode = "auto", "auto"
+    mode, compile_mode, per_step = "auto", "auto", True
     for opt in filter(None, opts.split(",")):
         if opt in ("weight", "activation"):
             mode = opt
         elif opt in ("compile", "eager"):
             compile_mode = "on" if opt == "compile" else "off"
+        elif opt == "mbfold":
+            per_step = False
         else:
             raise ValueError(f"variant {name!r}: unknown option {opt!r} (expected weight, "
-                             f"activation, compile or eager)")
+                             f"activation, compile, eager or mbfold)")
     if strategy == "stock":
         return None, compile_mode
-    return ScaleVecConfig.from_string(strategy, apply_mode=mode), compile_mode
+    return ScaleVecConfig.from_string(strategy, apply_mode=mode,
+                                      fold_per_step=per_step), compile_mode
 
 
 def saved_activation_bytes(fn) -> int:
@@ -78,28 +83,58 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def fold_seconds(model, cuda: bool, repeats: int = 5) -> float:
-    """Seconds one micro-batch spends on the weight fold of every folded linear: the fold in
-    forward, its rebuild in backward, and the map back of a gradient to W and the vectors."""
-    from megatron_scalevec.layers.linear import ScaleVecLinearMixin, _FoldedLinear
+def _fold_sites(model) -> list:
+    """(module, FoldOps, rebuilds) of every weight fold: each grouped-experts fc1 (one batched
+    fold, no rebuild) and every other folded linear (its backward rebuilds W_eff)."""
+    from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP, _Fc1View, stacked_fold_ops
+    from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 
-    lins = [m for m in model.modules() if isinstance(m, ScaleVecLinearMixin)
-            and m.has_scale_vectors and m.scalevec_mode == "weight"]
-    if not lins:
+    sites, inside = [], set()
+    for m in model.modules():
+        if isinstance(m, ScaleVecGroupedMLP):
+            fc1 = _Fc1View(m.local_experts)
+            inside.update(id(f) for f in fc1.experts)
+            if fc1.has_scale_vectors:
+                sites.append((m, stacked_fold_ops(fc1, [f.weight for f in fc1.experts]), 0))
+    for m in model.modules():
+        if isinstance(m, ScaleVecLinearMixin) and id(m) not in inside and \
+                m.has_scale_vectors and m.scalevec_mode == "weight":
+            sites.append((m, m.fold_ops(m.weight), 1))
+    return sites
+
+
+def fold_seconds(model, cuda: bool, micro_batches: int, repeats: int = 5) -> float:
+    """Seconds one step spends on the weight folds, each as it ran in training: once per step
+    (layers/fold_cache.py: the fold, then the map back of the accumulated gradient, with the
+    accumulator's last add) or per micro-batch (micro_batches x: the fold, its rebuild in
+    backward for a linear, the map back). The same functions the layers run; not the GEMMs,
+    and not the accumulator adds of earlier micro-batches, which replace the stock layer's
+    main_grad adds of W."""
+    from megatron_scalevec.layers import fold_cache
+
+    jobs = []
+    for m, ops, rebuilds in _fold_sites(model):
+        ws = tuple(w.detach() for w in ops.weights)
+        vs = tuple(None if v is None else v.detach() for v in ops.vectors())
+        with torch.no_grad():
+            g = torch.ones_like(ops.fold(ws, vs))
+        once = fold_cache.completed_cycles(m) > 0
+        acc = torch.zeros(g.shape, dtype=torch.float32, device=g.device) if once else None
+        n = 1 if once else micro_batches
+        jobs.append((ops, ws, vs, g, acc, n * (1 + (0 if once else rebuilds)), n))
+    if not jobs:
         return 0.0
     times = []
     for _ in range(repeats):
         _sync(cuda)
         t0 = time.perf_counter()
-        for m in lins:
-            w = m.weight.detach()
-            row, col = (v.detach().requires_grad_() if v is not None else None
-                        for v in m.fold_vectors())
-            x = w.new_zeros((1, w.shape[1]), requires_grad=True)  # GEMMs of 1 token: ~free
-            wr = w.requires_grad_()
-            out = _FoldedLinear.apply(x, wr, row, col, None, m.fold_layout, False, False, None)
-            out.sum().backward()
-            w.requires_grad_(False)
+        with torch.no_grad():
+            for ops, ws, vs, g, acc, folds, unfolds in jobs:
+                for _ in range(folds):
+                    ops.fold(ws, vs)
+                needs = (True,) * (len(ws) + len(vs))
+                for _ in range(unfolds):
+                    ops.unfold(g if acc is None else acc.add_(g), ws, vs, needs)
         _sync(cuda)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -176,7 +211,7 @@ def run(args) -> list:
             r["times"].append(time.perf_counter() - t0)
     fused.set_compile("auto")
     for r in rows:
-        r["fold"] = args.micro_batches * fold_seconds(r["model"], cuda)
+        r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
     del parallel_state
     return rows
 

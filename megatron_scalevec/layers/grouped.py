@@ -32,7 +32,7 @@ from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import ScaleVector
 
 __all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_fold",
-           "stacked_fold_backward", "stacked_forward_weight", "stacked_gamma"]
+           "stacked_fold_backward", "stacked_fold_ops", "stacked_forward_weight", "stacked_gamma"]
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None)
@@ -160,31 +160,32 @@ class _StackedFold(torch.autograd.Function):
         return (dcol, drow, None, *dw)
 
 
-def stacked_forward_weight(module, fc1, weights) -> torch.Tensor:
-    """[E, out, in] folded fc1 weights of the experts ``fc1`` (a view with ``experts``,
-    ``groups``, ``slots``, ``rows``): built once per optimizer step when that is on
-    (layers/fold_cache.py; ``module`` holds the cycle), else folded now."""
-    weights = tuple(weights)
-    groups = fc1.groups
+def stacked_fold_ops(fc1, weights) -> fold_cache.FoldOps:
+    """The batched fold of the experts ``fc1`` (a view with ``experts``, ``groups``,
+    ``slots``, ``rows``) for layers/fold_cache.py: vectors (col [E, S, in], row [E, S, r])."""
+    weights, groups = tuple(weights), fc1.groups
 
-    def vectors():  # (col [E, S, in], row [E, S, r])
+    def vectors():
         return (_slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1]),
                 _slot_stack(fc1, lambda m: m.scale_out, fc1.rows))
 
-    ops = fold_cache.FoldOps(
-        weights, vectors, lambda ws, vs: stacked_fold(ws, vs[0], vs[1], groups),
-        lambda g, ws, vs, needs: _reorder(stacked_fold_backward(
-            g, ws, vs[0], vs[1], groups, (needs[-2], needs[-1]))))
+    def unfold(g, ws, vs, needs):  # (dcol, drow, *dw) -> fold_cache's (*dw, dcol, drow)
+        dcol, drow, *dw = stacked_fold_backward(g, ws, vs[0], vs[1], groups, needs[-2:])
+        return (*dw, dcol, drow)
+
+    return fold_cache.FoldOps(weights, vectors,
+                              lambda ws, vs: stacked_fold(ws, vs[0], vs[1], groups), unfold)
+
+
+def stacked_forward_weight(module, fc1, weights) -> torch.Tensor:
+    """[E, out, in] folded fc1 weights of the experts ``fc1``: built once per optimizer step
+    when that is on (layers/fold_cache.py; ``module`` holds the cycle), else folded now."""
+    ops = stacked_fold_ops(fc1, weights)
     w_eff = fold_cache.step_weight(module, ops)
     if w_eff is not None:
         return w_eff
-    col, row = vectors()
-    return _StackedFold.apply(col, row, groups, *weights)
-
-
-def _reorder(grads) -> tuple:
-    """(dcol, drow, *dw) -> (*dw, dcol, drow): fold_cache's (*weights, *vectors) order."""
-    return (*grads[2:], grads[0], grads[1])
+    col, row = ops.vectors()
+    return _StackedFold.apply(col, row, fc1.groups, *ops.weights)
 
 
 class _Fc1View:
