@@ -165,10 +165,10 @@ class _Cycle:
 
 def step_weight(module, ops: FoldOps) -> Optional[torch.Tensor]:
     """The effective weight for this forward of ``module`` under the fold once per step, or
-    None: fold per micro-batch. ``module`` has ``scalevec`` and ``config``."""
+    None: fold per micro-batch. ``module`` has ``scalevec`` (and megatron-core's ``config``)."""
     cycle = module.__dict__.get(_ATTR)
     on = torch.is_grad_enabled() and module.training and module.scalevec.fold_per_step \
-        and not fused.use_reference() and not _recomputed(module.config)
+        and not fused.use_reference() and not _recomputed(getattr(module, "config", None))
     n = num_microbatches() if on else None
     if n is None or n <= 1:
         if cycle is not None and cycle.seen:
