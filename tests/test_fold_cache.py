@@ -190,3 +190,10 @@ def test_unsound_cycle_raises(check, message):
 
 def test_bf16_gradients_accumulate_in_fp32():
     assert run_on_ranks(_layer_case, 1, "accumulates_fp32")[0] == "torch.float32"
+
+
+def test_bench_variant_folds_per_micro_batch_on_request():
+    from megatron_scalevec.bench import parse_variant
+
+    assert parse_variant("unified")[0].fold_per_step
+    assert not parse_variant("unified@mbfold,eager")[0].fold_per_step
