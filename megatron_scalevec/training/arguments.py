@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decay of Input-Norm vectors (default: --weight-decay)")
     g.add_argument("--decay-direction", action="store_true",
                    help="under OR/ER also decay the direction/logit part")
+    g.add_argument("--fold-per-micro-batch", action="store_true",
+                   help="fold the vectors into the weights in every micro-batch instead of once "
+                        "per optimizer step (saves the per-step effective weight and its fp32 "
+                        "gradient accumulator, costs n-1 more fold passes)")
     g.add_argument("--expert-vectors", default=None, choices=("per_expert", "shared"),
                    help="MoE (default per_expert): every expert its own vectors (SPEC) or "
                         "one set per layer shared by the routed experts (fewer parameters)")
@@ -178,7 +182,8 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     try:
         a.scalevec_config = ScaleVecConfig.from_string(
             a.scalevec, scale_vector_weight_decay=a.scale_vector_weight_decay,
-            decay_direction=a.decay_direction, expert_vectors=a.expert_vectors)
+            decay_direction=a.decay_direction, expert_vectors=a.expert_vectors,
+            fold_per_step=not a.fold_per_micro_batch)
     except ValueError as e:
         raise ArgumentError(f"--scalevec: {e}") from None
     if a.spec == "scalevec_dense":
