@@ -297,11 +297,33 @@ def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots):
     return torch.cat(dz, -1).to(z.dtype), da_g, da_u
 
 
+def _glu_local_fwd(z, a_g, a_u, act, gated: bool, layer: bool, eps: float, n: int):
+    """_glu_stats and _glu_fwd for an unsplit width, as one function (one compiled kernel)."""
+    parts = [p.float() for p in _parts(z, gated) if p is not None]
+    mean = None
+    if layer:
+        mean = torch.cat([p.sum(-1, keepdim=True) for p in parts], -1) / n
+        parts = [p - mean[..., i:i + 1] for i, p in enumerate(parts)]
+    ms = torch.cat([p.pow(2).sum(-1, keepdim=True) for p in parts], -1) / n
+    rstd = torch.rsqrt(ms + eps)
+    return _glu_fwd(z, mean, rstd, a_g, a_u, act, gated), mean, rstd
+
+
+def _glu_local_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, n: int):
+    """Both _glu_bwd passes for an unsplit width, as one function."""
+    dots = _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated, None) / n
+    return _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated, dots)
+
+
 class _GLUNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids):
-        mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
-        h = _kernel(_glu_fwd, z)(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated)
+        if sharding.group_size(group) == 1:  # statistics and output in one kernel
+            h, mean, rstd = _kernel(_glu_local_fwd, z)(z, *_rows(ids, a_g, a_u), act, gated,
+                                                       layer, eps, n)
+        else:
+            mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
+            h = _kernel(_glu_fwd, z)(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated)
         ctx.save_for_backward(z, mean, rstd, a_g, a_u, ids)
         ctx.act, ctx.gated, ctx.group, ctx.n = act, gated, group, n
         return h
@@ -310,9 +332,12 @@ class _GLUNorm(torch.autograd.Function):
     def backward(ctx, dh):
         z, mean, rstd, a_g, a_u, ids = ctx.saved_tensors
         args = (dh, z, mean, rstd, *_rows(ids, a_g, a_u), ctx.act, ctx.gated)
-        kernel = _kernel(_glu_bwd, z)
-        dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
-        dz, da_g, da_u = kernel(*args, dots)
+        if sharding.group_size(ctx.group) == 1:  # row sums and gradients in one kernel
+            dz, da_g, da_u = _kernel(_glu_local_bwd, z)(*args, ctx.n)
+        else:
+            kernel = _kernel(_glu_bwd, z)
+            dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
+            dz, da_g, da_u = kernel(*args, dots)
         if ids is not None:  # per-row gradients summed into each expert's vector
             da_u = torch.zeros_like(a_u, dtype=torch.float32).index_add_(0, ids, da_u)
             if da_g is not None:
