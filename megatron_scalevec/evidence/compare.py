@@ -20,7 +20,7 @@ import os
 import textwrap
 import time
 
-from megatron_scalevec.evidence import runner, stats, tuning
+from megatron_scalevec.evidence import runner, stats, tuned, tuning
 
 
 def build_parser():
@@ -113,13 +113,7 @@ def plot(a, curves, best, diff, path):
     ax1.set_title("validation loss, each at its best LR")
     ax2.set_title(f"difference: {diff['final']:+.4f} [{diff['lo']:+.4f}, {diff['hi']:+.4f}]\n"
                   + textwrap.fill(f"({diff['over']})", 80), fontsize=9)
-    for ax in (ax1, ax2):
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    tuned.save_panels(plt, fig, (ax1, ax2), path, log_loss=False, legend_size=8)
 
 
 def main(argv=None) -> dict:

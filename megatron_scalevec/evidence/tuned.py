@@ -347,14 +347,15 @@ def plot(rows, out_dir) -> list:
     return paths
 
 
-def save_panels(plt, fig, axes, path: str) -> str:
+def save_panels(plt, fig, axes, path: str, log_loss: bool = True, legend_size: int = 7) -> str:
     """Finish a (loss, paired delta) figure the same way for every evidence plot: iteration
-    axes, grid, legends, log loss axis; write it and return its path."""
+    axes, grid, legends, log loss axis (``log_loss``); write it and return its path."""
     for ax in axes:
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0].set_yscale("log")
+        ax.legend(fontsize=legend_size)
+    if log_loss:
+        axes[0].set_yscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -231,9 +231,10 @@ def _glu_sums(z, mean, gated: bool):
                       for i, p in enumerate(parts)], -1)
 
 
-def _glu_stats(z, gated, layer, eps, group, n):
-    """(mean or None, rstd) per row and part, over the logical width n."""
-    kernel = _kernel(_glu_sums, z)
+def _glu_stats(z, gated, layer, eps, group, n, kernel=None):
+    """(mean or None, rstd) per row and part, over the logical width n; ``kernel`` runs the
+    row sums (default: _glu_sums, compiled as set_compile says)."""
+    kernel = kernel or _kernel(_glu_sums, z)
     mean = None
     if layer:
         mean = sharding.all_reduce_sum(kernel(z, None, gated), group) / n
@@ -299,13 +300,7 @@ def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots):
 
 def _glu_local_fwd(z, a_g, a_u, act, gated: bool, layer: bool, eps: float, n: int):
     """_glu_stats and _glu_fwd for an unsplit width, as one function (one compiled kernel)."""
-    parts = [p.float() for p in _parts(z, gated) if p is not None]
-    mean = None
-    if layer:
-        mean = torch.cat([p.sum(-1, keepdim=True) for p in parts], -1) / n
-        parts = [p - mean[..., i:i + 1] for i, p in enumerate(parts)]
-    ms = torch.cat([p.pow(2).sum(-1, keepdim=True) for p in parts], -1) / n
-    rstd = torch.rsqrt(ms + eps)
+    mean, rstd = _glu_stats(z, gated, layer, eps, None, n, kernel=_glu_sums)
     return _glu_fwd(z, mean, rstd, a_g, a_u, act, gated), mean, rstd
 
 
