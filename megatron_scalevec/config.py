@@ -157,3 +157,16 @@ class ScaleVecConfig:
         if self.apply_mode != "auto":
             return self.apply_mode
         return "weight" if local_linear else "activation"
+
+
+def moe_layer_flags(num_layers: int, moe_layer_freq, is_moe: bool) -> list:
+    """0/1 per layer: which layers are MoE under megatron-core's ``moe_layer_freq`` (every
+    k-th layer from layer 0, or an explicit 0/1 list); the spec and the converter share it."""
+    if not is_moe:
+        return [0] * num_layers
+    if isinstance(moe_layer_freq, int):
+        return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    if len(moe_layer_freq) != num_layers:
+        raise ValueError(f"moe_layer_freq has {len(moe_layer_freq)} entries for {num_layers} "
+                         f"layers")
+    return [int(m) for m in moe_layer_freq]

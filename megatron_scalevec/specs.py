@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_scalevec.compat import mcore
-from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.config import ScaleVecConfig, moe_layer_flags
 from megatron_scalevec.layers import ScaleVecMLP, ScaleVecSelfAttention
 from megatron_scalevec.layers.moe import (
     ScaleVecSequentialMLP,
@@ -179,14 +179,8 @@ def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
 
 def moe_layer_pattern(config) -> list:
     """0/1 per global layer: which layers are MoE (megatron-core's ``moe_layer_freq``)."""
-    if not config.num_moe_experts:
-        return [0] * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
-    if len(freq) != config.num_layers:
-        raise ValueError(f"moe_layer_freq has {len(freq)} entries for {config.num_layers} layers")
-    return list(freq)
+    return moe_layer_flags(config.num_layers, config.moe_layer_freq,
+                           bool(config.num_moe_experts))
 
 
 def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",

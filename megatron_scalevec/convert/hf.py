@@ -33,6 +33,7 @@ import os
 
 import torch
 
+from megatron_scalevec.config import moe_layer_flags
 from megatron_scalevec.convert.arch import ModelArch
 from megatron_scalevec.convert.io import (
     StateDict,
@@ -68,14 +69,7 @@ def family(arch: ModelArch) -> str:
 
 def moe_layers(arch: ModelArch) -> list:
     """0/1 per layer: which layers are MoE (megatron-core's ``moe_layer_freq``)."""
-    if not arch.is_moe:
-        return [0] * arch.num_layers
-    freq = arch.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(arch.num_layers)]
-    if len(freq) != arch.num_layers:
-        raise ValueError(f"moe_layer_freq has {len(freq)} entries for {arch.num_layers} layers")
-    return [int(m) for m in freq]
+    return moe_layer_flags(arch.num_layers, arch.moe_layer_freq, arch.is_moe)
 
 
 def _mlp_pairs(arch: ModelArch, i: int, remote: bool = False) -> list:
