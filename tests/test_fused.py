@@ -62,6 +62,42 @@ def test_head_norm_rope_matches_reference(normalization, interleaved, rot):
 
 
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("qpg,rot,same", [(2, 16, True), (1, 8, False), (3, None, True)])
+def test_qkv_norm_matches_three_head_norms(normalization, qpg, rot, same):
+    """One function on megatron-core's mixed QKV equals the split + three head norms (q, k
+    with their own RoPE), in outputs and every gradient."""
+    torch.manual_seed(2)
+    groups, hd = 2, 16
+    mixed = torch.randn(5, 2, groups, (qpg + 2) * hd, requires_grad=True)
+    vecs = tuple((1 + 0.3 * torch.randn(hd)).requires_grad_() for _ in range(3))
+    rope_q = rope_k = None
+    if rot:
+        rope_q = fused.rope_cos_sin(_freqs(5, rot, False), 1.1, mixed.dtype)
+        rope_k = rope_q if same else fused.rope_cos_sin(_freqs(5, rot, False), 1.1, mixed.dtype)
+
+    def split_then_norm():
+        q, k, v = torch.split(mixed, [qpg * hd, hd, hd], dim=3)
+        q = q.reshape(5, 2, -1, hd)
+        return (fused.head_norm(q, vecs[0], 1e-5, normalization, rope_q),
+                fused.head_norm(k, vecs[1], 1e-5, normalization, rope_k),
+                fused.head_norm(v, vecs[2], 1e-5, normalization))
+
+    dys = (torch.randn(5, 2, groups * qpg, hd), torch.randn(5, 2, groups, hd),
+           torch.randn(5, 2, groups, hd))
+    with fused.reference():
+        ref = split_then_norm()
+    got = fused.qkv_norm(mixed, vecs, 1e-5, normalization, qpg, rope_q, rope_k)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.is_contiguous()
+        assert _rel(g, r) < TOL
+    inputs = (mixed, *vecs)
+    g_got = torch.autograd.grad(got, inputs, dys)
+    g_ref = torch.autograd.grad(ref, inputs, dys)
+    for name, g, r in zip(("dmixed", "da_q", "da_k", "da_v"), g_got, g_ref):
+        assert _rel(g, r) < TOL, (name, _rel(g, r))
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("act", [F.silu, F.gelu, F.relu, torch.tanh], ids=lambda f: f.__name__)
 def test_glu_norm_matches_reference(normalization, gated, act):
@@ -77,6 +113,26 @@ def test_glu_norm_matches_reference(normalization, gated, act):
         assert _rel(g, r) < TOL, (i, _rel(g, r))
 
 
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_glu_norm_per_expert_vectors_match_reference(normalization, gated):
+    """Grouped experts: row t uses expert ids[t]'s vectors, and each expert's vector gradient
+    sums its own rows only (an expert with no rows gets zero)."""
+    torch.manual_seed(4)
+    ids = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3, 3])  # expert 1 has no rows
+    z = torch.randn(9, 24 if gated else 12, requires_grad=True)
+    a_g = (1 + 0.3 * torch.randn(4, 12)).requires_grad_()
+    a_u = (1 + 0.3 * torch.randn(4, 12)).requires_grad_()
+    inputs = (z, a_g, a_u) if gated else (z, a_u)
+    got, ref = _both(lambda: fused.glu_norm(z, a_g if gated else None, a_u, F.silu,
+                                            gated=gated, normalization=normalization,
+                                            eps=1e-5, ids=ids),
+                     inputs, torch.randn(9, 12))
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert _rel(g, r) < TOL, (i, _rel(g, r))
+    assert float(got[-1][1].abs().max()) == 0.0
+
+
 def test_fused_functions_keep_only_output_and_row_statistics():
     x = torch.randn(6, 2, 4, 16, requires_grad=True)
     a = torch.ones(16, requires_grad=True)
@@ -86,6 +142,15 @@ def test_fused_functions_keep_only_output_and_row_statistics():
         lambda: out.append(fused.head_norm(x, a, 1e-5, "RMSNorm", (cos, sin))))
     small = a.nbytes + cos.nbytes + sin.nbytes + 6 * 2 * 4 * 4  # vector, cos, sin, 1/rms
     assert nbytes == out[0].nbytes + small
+    mixed = torch.randn(6, 2, 2, 4 * 16, requires_grad=True)  # 2 groups, 2 q heads each
+    vecs = tuple(torch.ones(16, requires_grad=True) for _ in range(3))
+    out = []
+    nbytes = saved_activation_bytes(
+        lambda: out.append(fused.qkv_norm(mixed, vecs, 1e-5, "RMSNorm", 2, (cos, sin),
+                                          (cos, sin))))
+    rows = 6 * 2 * 2 * 4 * 4  # 1/rms of each q, k, v head
+    assert nbytes == sum(t.nbytes for t in out[0]) + 3 * a.nbytes + cos.nbytes + sin.nbytes \
+        + rows
     z = torch.randn(6, 2, 32, requires_grad=True)
     a_u = a.detach().clone().requires_grad_()
     nbytes = saved_activation_bytes(lambda: fused.glu_norm(

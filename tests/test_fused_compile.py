@@ -33,12 +33,14 @@ def _grads(fn, inputs, dy):
 def _head_and_glu(x, a, rope, z, a_g, a_u):
     h = fused.head_norm(x, a, 1e-5, "RMSNorm", rope)
     g = fused.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5)
-    return torch.cat([h.flatten(), g.flatten()])
+    mixed = x.flatten(-2).unsqueeze(-2)  # one group of 2 query heads, k, v
+    qkv = fused.qkv_norm(mixed, (a, a, a), 1e-5, "RMSNorm", 2, rope, rope)
+    return torch.cat([h.flatten(), g.flatten(), *(t.flatten() for t in qkv)])
 
 
 def test_compiled_kernels_match_reference():
     torch.manual_seed(3)
-    x = torch.randn(6, 2, 2, 16, requires_grad=True)
+    x = torch.randn(6, 2, 4, 16, requires_grad=True)  # 4 heads
     a = (1 + 0.3 * torch.randn(16)).requires_grad_()
     f = torch.randn(6, 1, 1, 8)
     rope = fused.rope_cos_sin(torch.cat([f, f], -1), 1.0, x.dtype)
@@ -46,7 +48,7 @@ def test_compiled_kernels_match_reference():
     a_g = (1 + 0.3 * torch.randn(12)).requires_grad_()
     a_u = (1 + 0.3 * torch.randn(12)).requires_grad_()
     inputs = (x, a, z, a_g, a_u)
-    dy = torch.randn(6 * 2 * 2 * 16 + 6 * 2 * 12)
+    dy = torch.randn(2 * 6 * 2 * 4 * 16 + 6 * 2 * 12)
     fused._COMPILED.clear()
     with _mode("on"):
         got = _grads(lambda: _head_and_glu(x, a, rope, z, a_g, a_u), inputs, dy)
@@ -54,6 +56,29 @@ def test_compiled_kernels_match_reference():
     with fused.reference():
         ref = _grads(lambda: _head_and_glu(x, a, rope, z, a_g, a_u), inputs, dy)
     for name, g, r in zip(("out", "dx", "da", "dz", "da_g", "da_u"), got, ref):
+        assert _rel(g, r) < 1e-5, (name, _rel(g, r))
+
+
+def test_compiled_per_expert_glu_matches_reference():
+    """The grouped experts' GLU norm (vectors gathered by expert id inside the kernel)."""
+    torch.manual_seed(5)
+    ids = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
+    z = torch.randn(8, 24, requires_grad=True)
+    a_g = (1 + 0.3 * torch.randn(3, 12)).requires_grad_()
+    a_u = (1 + 0.3 * torch.randn(3, 12)).requires_grad_()
+    dy = torch.randn(8, 12)
+
+    def run():
+        return fused.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm",
+                              eps=1e-5, ids=ids)
+
+    fused._COMPILED.clear()
+    with _mode("on"):
+        got = _grads(run, (z, a_g, a_u), dy)
+    assert fused._COMPILED, "nothing was compiled"
+    with fused.reference():
+        ref = _grads(run, (z, a_g, a_u), dy)
+    for name, g, r in zip(("out", "dz", "da_g", "da_u"), got, ref):
         assert _rel(g, r) < 1e-5, (name, _rel(g, r))
 
 

@@ -91,20 +91,37 @@ class ScaleVecSelfAttention(SelfAttention):
         if norm is None:
             return apply_rotary_pos_emb(t, freqs, config=self.config,
                                         mscale=_rope_mscale(self.config))
-        return norm.forward_fused(t, fused.rope_cos_sin(freqs, _rope_mscale(self.config),
-                                                        t.dtype), self.config.rotary_interleaved)
+        return norm.forward_fused(t, self._cos_sin(freqs, t), self.config.rotary_interleaved)
+
+    def _one_qkv_norm(self, key_value_states, output_gate) -> bool:
+        """The three DNP norms run as one function on the unsplit QKV (layers/fused.py)."""
+        return (self.v_norm is not None and self.q_norm is not None and not output_gate
+                and key_value_states is None and not fused.use_reference()
+                and self.config.num_query_groups >= self.world_size)
+
+    def _cos_sin(self, freqs, like):
+        if freqs is None:
+            return None
+        return fused.rope_cos_sin(freqs, _rope_mscale(self.config), like.dtype)
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     output_gate=False, split_qkv=True):
         if not split_qkv and (self.q_norm or self.k_norm or self.v_norm):
             raise NotImplementedError("unsplit QKV (fused inference kernels) with DNP norms")
+        q_freqs, k_freqs = self._rope if self._rope is not None else (None, None)
+        if self._one_qkv_norm(key_value_states, output_gate):
+            mixed, _ = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
+            qpg = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            norms = (self.q_norm, self.k_norm, self.v_norm)
+            return fused.qkv_norm(mixed, tuple(n.vector() for n in norms), self.q_norm.eps,
+                                  self.q_norm.normalization, qpg, self._cos_sin(q_freqs, mixed),
+                                  self._cos_sin(k_freqs, mixed), self.config.rotary_interleaved)
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv)
         if not split_qkv:
             return out
         query, key, value = out[:3]
         # [s, b, heads, head_dim]: each norm works per head over head_dim.
-        q_freqs, k_freqs = self._rope if self._rope is not None else (None, None)
         query = self._norm_rope(query, self.q_norm, q_freqs)
         key = self._norm_rope(key, self.k_norm, k_freqs)
         if self.v_norm is not None:

@@ -194,6 +194,75 @@ def head_norm(x, a: Optional[torch.Tensor], eps: float, normalization: str, rope
     return _HeadNorm.apply(x, a, cos, sin, eps, layer, interleaved)
 
 
+def _slots(x, qpg: int):
+    """q, k, v of megatron-core's mixed QKV [..., groups, (qpg + 2) * hd] as
+    [..., groups, qpg | 1 | 1, hd] views."""
+    x = x.unflatten(-1, (qpg + 2, -1))
+    return x[..., :qpg, :], x[..., qpg:qpg + 1, :], x[..., qpg + 1:, :]
+
+
+def _qkv_fwd(mixed, a_q, a_k, a_v, rope_q, rope_k, eps: float, layer: bool, interleaved: bool,
+             qpg: int):
+    """The three per-head norms (q and k with RoPE) on the mixed QKV, in one function."""
+    q, k, v = _slots(mixed, qpg)
+    (q, rq), (k, rk) = (_head_fwd(t, a, *_per_slot(r), eps, layer, interleaved)
+                        for t, a, r in ((q, a_q, rope_q), (k, a_k, rope_k)))
+    v, rv = _head_fwd(v, a_v, None, None, eps, layer, interleaved)
+    return q.flatten(-3, -2), k.flatten(-3, -2), v.flatten(-3, -2), rq, rk, rv
+
+
+def _qkv_bwd(dq, dk, dv, q, k, v, rq, rk, rv, a_q, a_k, a_v, rope_q, rope_k, layer: bool,
+             interleaved: bool, qpg: int):
+    """_head_bwd of each slot, written back into the mixed QKV layout in one pass."""
+    parts = []
+    for dy, y, r, a, rope, n in ((dq, q, rq, a_q, rope_q, qpg), (dk, k, rk, a_k, rope_k, 1),
+                                 (dv, v, rv, a_v, None, 1)):
+        dy, y = dy.unflatten(-2, (-1, n)), y.unflatten(-2, (-1, n))
+        parts.append(_head_bwd(dy, y, r, a, *_per_slot(rope), layer, interleaved))
+    dx = torch.cat([d for d, _ in parts], dim=-2).flatten(-2).to(dq.dtype)
+    return (dx, *(da for _, da in parts))
+
+
+def _per_slot(rope):
+    """(cos, sin) [s, 1, 1, rot] broadcast over [s, b, groups, slot, hd]; (None, None)."""
+    return (None, None) if rope is None else tuple(t.unsqueeze(-2) for t in rope)
+
+
+class _QKVNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, mixed, a_q, a_k, a_v, rope_q, rope_k, eps, layer, interleaved, qpg):
+        q, k, v, rq, rk, rv = _kernel(_qkv_fwd, mixed)(mixed, a_q, a_k, a_v, rope_q, rope_k,
+                                                       eps, layer, interleaved, qpg)
+        ctx.save_for_backward(q, k, v, rq, rk, rv, a_q, a_k, a_v,
+                              *(rope_q or (None, None)), *(rope_k or (None, None)))
+        ctx.layer, ctx.interleaved, ctx.qpg = layer, interleaved, qpg
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        *saved, cq, sq, ck, sk = ctx.saved_tensors
+        rope_q = None if cq is None else (cq, sq)
+        rope_k = None if ck is None else (ck, sk)
+        dx, daq, dak, dav = _kernel(_qkv_bwd, dq)(dq, dk, dv, *saved, rope_q, rope_k,
+                                                  ctx.layer, ctx.interleaved, ctx.qpg)
+        return dx, daq, dak, dav, None, None, None, None, None, None
+
+
+def qkv_norm(mixed, vectors, eps: float, normalization: str, qpg: int, rope_q=None,
+             rope_k=None, interleaved: bool = False):
+    """megatron-core's mixed QKV ``[s, b, groups, (qpg + 2) * hd]`` -> q ``[s, b, groups * qpg,
+    hd]``, k, v ``[s, b, groups, hd]``, each ``[R](a * N_head(.))`` (``vectors`` = (a_q, a_k,
+    a_v)): one function for the three, with no split copy, as head_norm keeps only its
+    outputs and per-row 1/rms."""
+    layer = _layer_norm(normalization)
+    if use_reference():
+        q, k, v = (t.flatten(-3, -2) for t in _slots(mixed, qpg))
+        return (head_norm(q, vectors[0], eps, normalization, rope_q, interleaved),
+                head_norm(k, vectors[1], eps, normalization, rope_k, interleaved),
+                head_norm(v, vectors[2], eps, normalization))
+    return _QKVNorm.apply(mixed, *vectors, rope_q, rope_k, eps, layer, interleaved, qpg)
+
+
 # ---------------------------------------------------------------- GLU with FFN-width norms
 
 def _act_and_grad(act, x):
@@ -298,27 +367,48 @@ def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots):
     return torch.cat(dz, -1).to(z.dtype), da_g, da_u
 
 
-def _glu_local_fwd(z, a_g, a_u, act, gated: bool, layer: bool, eps: float, n: int):
+def _glu_local_fwd(z, a_g, a_u, ids, act, gated: bool, layer: bool, eps: float, n: int):
     """_glu_stats and _glu_fwd for an unsplit width, as one function (one compiled kernel)."""
     mean, rstd = _glu_stats(z, gated, layer, eps, None, n, kernel=_glu_sums)
-    return _glu_fwd(z, mean, rstd, a_g, a_u, act, gated), mean, rstd
+    return _glu_fwd(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated), mean, rstd
 
 
-def _glu_local_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, n: int):
+def _glu_split_fwd(z, mean, rstd, a_g, a_u, ids, act, gated: bool):
+    return _glu_fwd(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated)
+
+
+def _glu_local_bwd(dh, z, mean, rstd, a_g, a_u, ids, act, gated: bool, n: int):
     """Both _glu_bwd passes for an unsplit width, as one function."""
-    dots = _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated, None) / n
-    return _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated, dots)
+    vectors = _rows(ids, a_g, a_u)
+    dots = _glu_bwd(dh, z, mean, rstd, *vectors, act, gated, None) / n
+    return _per_expert(ids, a_g, a_u, *_glu_bwd(dh, z, mean, rstd, *vectors, act, gated, dots))
+
+
+def _glu_split_bwd(dh, z, mean, rstd, a_g, a_u, ids, act, gated: bool, dots):
+    out = _glu_bwd(dh, z, mean, rstd, *_rows(ids, a_g, a_u), act, gated, dots)
+    return out if dots is None else _per_expert(ids, a_g, a_u, *out)
+
+
+def _per_expert(ids, a_g, a_u, dz, da_g, da_u):
+    """Per-row vector gradients (experts) summed into each expert's vector."""
+    if ids is None:
+        return dz, da_g, da_u
+    da_u = torch.zeros(a_u.shape, dtype=torch.float32, device=dz.device).index_add(0, ids, da_u)
+    if da_g is not None:
+        da_g = torch.zeros(a_g.shape, dtype=torch.float32, device=dz.device).index_add(
+            0, ids, da_g)
+    return dz, da_g, da_u
 
 
 class _GLUNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids):
         if sharding.group_size(group) == 1:  # statistics and output in one kernel
-            h, mean, rstd = _kernel(_glu_local_fwd, z)(z, *_rows(ids, a_g, a_u), act, gated,
-                                                       layer, eps, n)
+            h, mean, rstd = _kernel(_glu_local_fwd, z)(z, a_g, a_u, ids, act, gated, layer,
+                                                       eps, n)
         else:
             mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
-            h = _kernel(_glu_fwd, z)(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated)
+            h = _kernel(_glu_split_fwd, z)(z, mean, rstd, a_g, a_u, ids, act, gated)
         ctx.save_for_backward(z, mean, rstd, a_g, a_u, ids)
         ctx.act, ctx.gated, ctx.group, ctx.n = act, gated, group, n
         return h
@@ -326,26 +416,22 @@ class _GLUNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh):
         z, mean, rstd, a_g, a_u, ids = ctx.saved_tensors
-        args = (dh, z, mean, rstd, *_rows(ids, a_g, a_u), ctx.act, ctx.gated)
+        args = (dh, z, mean, rstd, a_g, a_u, ids, ctx.act, ctx.gated)
         if sharding.group_size(ctx.group) == 1:  # row sums and gradients in one kernel
             dz, da_g, da_u = _kernel(_glu_local_bwd, z)(*args, ctx.n)
         else:
-            kernel = _kernel(_glu_bwd, z)
+            kernel = _kernel(_glu_split_bwd, z)
             dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
             dz, da_g, da_u = kernel(*args, dots)
-        if ids is not None:  # per-row gradients summed into each expert's vector
-            da_u = torch.zeros_like(a_u, dtype=torch.float32).index_add_(0, ids, da_u)
-            if da_g is not None:
-                da_g = torch.zeros_like(a_g, dtype=torch.float32).index_add_(0, ids, da_g)
         return dz, da_g, da_u, None, None, None, None, None, None, None
 
 
 def _rows(ids, *vectors):
     """Each row's vector: ``a[ids]`` for per-expert vectors [E, f], else the vectors as given
-    (gathered transiently, never saved)."""
+    (inside the kernels: an indexed load, never a full-size tensor)."""
     if ids is None:
         return vectors
-    return tuple(None if a is None else a.index_select(0, ids) for a in vectors)
+    return tuple(None if a is None else a[ids] for a in vectors)
 
 
 def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, group=None,
