@@ -11,7 +11,9 @@ compares medians over the rounds. Memory is reported as
 * ``peak``: on a GPU, ``torch.cuda.max_memory_allocated`` of a step.
 
 Ratios are printed against megatron-core's stock spec and against our ``shared`` in one table
-(whichever of the two is among the variants). ``fold %`` is the share of the step spent
+(whichever of the two is among the variants). A time ratio is the median over rounds of the
+ratio within each round (paired: a slow round slows both sides), and its ``±`` is half the
+interquartile range of those per-round ratios. ``fold %`` is the share of the step spent
 folding vectors into weights, timed alone (:func:`fold_seconds`): once per optimizer step
 (layers/fold_cache.py, the default with several micro-batches) or per micro-batch (one
 micro-batch, or ``@mbfold``).
@@ -216,6 +218,12 @@ def run(args) -> list:
     return rows
 
 
+def paired_ratio(times, base_times):
+    """(median, half interquartile range) over rounds of times[i] / base_times[i]."""
+    q = sorted(t / b for t, b in zip(times, base_times))
+    return statistics.median(q), (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / 2
+
+
 def report(rows, base_name: str) -> str:
     """One markdown table: each variant against stock and shared (those present) and
     ``base_name``."""
@@ -227,7 +235,8 @@ def report(rows, base_name: str) -> str:
     base = by[base_name] if base_name in by else by[refs[0]]
     lines = [f"baseline: {base['name']} median step {med[base['name']] * 1e3:.1f} ms"]
     head = ["variant", "params", "+params", "step ms", "spread"]
-    head += [f"time/{n}" for n in refs] + ["act MiB"] + [f"act/{n}" for n in refs]
+    head += [f"time/{n}" for n in refs] + [f"± vs {base['name']}", "act MiB"]
+    head += [f"act/{n}" for n in refs]
     head += ["state ratio", "fold %", "peak ratio"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -238,7 +247,9 @@ def report(rows, base_name: str) -> str:
         extra = (r["params"] - base["params"]) / base["params"]
         cells = [r["name"], f"{r['params']:,}", f"{extra:.2e}", f"{m * 1e3:.1f}",
                  f"±{spread * 50:.1f}%"]
-        cells += [f"{m / med[n]:.3f}" for n in refs] + [f"{r['act'] / 2**20:.1f}"]
+        cells += [f"{paired_ratio(r['times'], by[n]['times'])[0]:.3f}" for n in refs]
+        cells += [f"±{paired_ratio(r['times'], base['times'])[1]:.3f}",
+                  f"{r['act'] / 2**20:.1f}"]
         cells += [f"{r['act'] / by[n]['act']:.3f}" for n in refs]
         cells += [f"{r['state'] / base['state']:.4f}", f"{100 * r['fold'] / m:.2f}", peak]
         lines.append("| " + " | ".join(cells) + " |")

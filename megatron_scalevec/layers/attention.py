@@ -5,8 +5,9 @@ DP's output side live in ``linear_qkv`` (layers/linear.py); this class adds only
 normalized output side. For Q and K this is exactly QK-norm; megatron-core has no V norm,
 hence the subclass. The norms run through layers/fused.py: q and k fused with RoPE (this class
 applies RoPE itself, in ``get_query_key_value_tensors``, whenever the fused path covers the call),
-keeping only the rotated output attention keeps anyway. The norms are
-``q_norm``/``k_norm``/``v_norm`` (not ``q_layernorm``) so that
+keeping only the rotated output attention keeps anyway. Under DNP the three run as one function
+on megatron-core's unsplit QKV (``split_qkv=False``): no split copy, one kernel each way. The
+norms are ``q_norm``/``k_norm``/``v_norm`` (not ``q_layernorm``) so that
 ``finalize_model_grads``, which reduces names containing ``q_layernorm`` whenever
 ``config.qk_layernorm`` is set, never reduces them a second time.
 """
@@ -96,8 +97,7 @@ class ScaleVecSelfAttention(SelfAttention):
     def _one_qkv_norm(self, key_value_states, output_gate) -> bool:
         """The three DNP norms run as one function on the unsplit QKV (layers/fused.py)."""
         return (self.v_norm is not None and self.q_norm is not None and not output_gate
-                and key_value_states is None and not fused.use_reference()
-                and self.config.num_query_groups >= self.world_size)
+                and key_value_states is None and not fused.use_reference())
 
     def _cos_sin(self, freqs, like):
         if freqs is None:
@@ -113,9 +113,11 @@ class ScaleVecSelfAttention(SelfAttention):
             mixed, _ = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
             qpg = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
             norms = (self.q_norm, self.k_norm, self.v_norm)
+            rope_q = self._cos_sin(q_freqs, mixed)
+            rope_k = rope_q if k_freqs is q_freqs else self._cos_sin(k_freqs, mixed)
             return fused.qkv_norm(mixed, tuple(n.vector() for n in norms), self.q_norm.eps,
-                                  self.q_norm.normalization, qpg, self._cos_sin(q_freqs, mixed),
-                                  self._cos_sin(k_freqs, mixed), self.config.rotary_interleaved)
+                                  self.q_norm.normalization, qpg, rope_q, rope_k,
+                                  self.config.rotary_interleaved)
         out = super().get_query_key_value_tensors(
             hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv)
         if not split_qkv:
