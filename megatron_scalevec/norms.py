@@ -107,6 +107,8 @@ class ScaleVecNorm(ScaleVector):
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
                              f"got {self.normalization!r}")
+        # Every user (forward, vector, forward_fused) asks once per training forward.
+        self.cache_per_step(scalevec, config)
 
     def vector(self):
         """gamma (None without a vector), for the fused functions that apply it."""

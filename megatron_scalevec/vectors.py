@@ -11,6 +11,15 @@ er         ``exp(alpha + v - mean(v))``                alpha [1], logit [m]     
 Each parameter carries ``scalevec_role`` (``input``/``output``, SPEC.md's IWD table) and
 ``scalevec_part`` (which of the above it is); the optimizer rules read only these two.
 Norms and means run over the whole logical vector even when it is split across ranks.
+
+Once per optimizer step: within a step the parameters are fixed, so gamma is too. A vector
+whose owner asks for it exactly once per training forward (the norms, the router) opts in with
+:meth:`ScaleVector.cache_per_step`; its ``forward()`` then runs the weight folds' cycle
+(layers/fold_cache.py) on gamma itself: gamma is computed once (no autograd) and reused as a
+leaf by micro-batches 1..n-1, whose gradients accumulate in fp32; the last micro-batch computes
+gamma with autograd and its backward adds the accumulated gradient, so the map back to the
+parameters (and the ``reduce_grad`` all-reduce) runs once per step. The weight folds read their
+vectors through :meth:`ScaleVector.gamma`, never cached (they are once per step already).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from megatron_scalevec import sharding
 
 PARTS = {"plain": ("weight",), "or": ("magnitude", "direction"), "er": ("alpha", "logit")}
 DECAYED_PARTS = {"weight", "magnitude", "alpha"}  # the direction parts are scale-invariant
+# Selective recompute that never re-runs a vector's owner ("layernorm" re-runs the norms).
+_SAFE_RECOMPUTE = {"core_attn", "moe_act"}
 
 
 class ScaleVector(nn.Module):
@@ -81,6 +92,14 @@ class ScaleVector(nn.Module):
                 p.fill_(0.0 if name in ("alpha", "logit") else 1.0)
 
     _once: Optional[torch.Tensor] = None  # set inside computed_once()
+    _step: Optional[tuple] = None  # (scalevec, config) once cache_per_step() was called
+
+    def cache_per_step(self, scalevec, config) -> None:
+        """Compute gamma once per optimizer step (module doc). Only for an owner that calls
+        ``forward()`` exactly once per training forward: the cycle counts those calls. A plain
+        vector without gradient reduction has nothing to save and stays as it is."""
+        if self.enabled and (self.parameterization != "plain" or self.grad_group is not None):
+            self._step = (scalevec, config)
 
     @contextlib.contextmanager
     def computed_once(self):
@@ -96,7 +115,17 @@ class ScaleVector(nn.Module):
             object.__setattr__(self, "_once", None)
 
     def forward(self) -> Optional[torch.Tensor]:
-        """The effective gamma [size] (float32), or None when there is no vector."""
+        """The effective gamma [size] (float32), or None when there is no vector; once per
+        optimizer step when :meth:`cache_per_step` was called and the step allows it."""
+        if self._once is None and self._step is not None:
+            gamma = self._step_gamma()
+            if gamma is not None:
+                return gamma
+        return self.gamma()
+
+    def gamma(self) -> Optional[torch.Tensor]:
+        """gamma computed now (with autograd when enabled), never through the step cache: the
+        weight folds' ``vectors()`` (a fold is once per step already) and diagnostics."""
         if self._once is not None:
             return self._once
         kind = self.parameterization
@@ -115,6 +144,19 @@ class ScaleVector(nn.Module):
             mean = sharding.all_reduce_sum(v.sum(), self.split_group) / self.global_size
             gamma = torch.exp(self._shared_scalar(self.alpha.float()) + v - mean)
         return sharding.reduce_grad(gamma, self.grad_group)
+
+    def _step_gamma(self) -> Optional[torch.Tensor]:
+        """fold_cache's cycle with gamma as the "effective weight": weights = this vector's
+        parameters (their version counters guard the cache), vectors = (gamma with autograd,),
+        fold and unfold the identity, so the last micro-batch's autograd maps the summed
+        gradient back. None: compute gamma per micro-batch (fold_cache's on/off rules)."""
+        from megatron_scalevec.layers import fold_cache  # noqa: PLC0415 (layers imports us)
+
+        scalevec, config = self._step
+        ops = fold_cache.FoldOps(tuple(self.parameters(recurse=False)),
+                                 lambda: (self.gamma(),), _identity_fold, _identity_unfold)
+        return fold_cache.step_weight(self, ops, scalevec=scalevec, config=config,
+                                      safe_recompute=_SAFE_RECOMPUTE)
 
     def _shared_scalar(self, s: torch.Tensor) -> torch.Tensor:
         # One scalar for a vector split across ranks: each rank sees part of its gradient.
@@ -159,3 +201,11 @@ class ScaleVector(nn.Module):
     def extra_repr(self) -> str:
         return (f"size={self.size}, global_size={self.global_size}, "
                 f"parameterization={self.parameterization}, role={self.role}")
+
+
+def _identity_fold(weights, vectors):
+    return vectors[0].clone()  # a plain fp32 gamma is a view of its parameter
+
+
+def _identity_unfold(grad, weights, vectors, needs):
+    return (*(None for _ in weights), grad)  # the gradient of gamma; autograd does the rest

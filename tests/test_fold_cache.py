@@ -7,7 +7,10 @@ updates of two SGD steps (the second one runs on a W_eff rebuilt after the first
 agree, with tolerances relative to each tensor's scale. The cases cover 1 and 4 micro-batches
 per rank, ``overlap_grad_reduce`` on and off, the distributed optimizer, dense and MoE with
 sequential and grouped experts, TP2 with sequence parallelism and EP2; and that the mode was
-really used (or not: 1 micro-batch, activation recompute). Then each safety check raises.
+really used (or not: 1 micro-batch, activation recompute). The same switch turns on the scale
+vectors' own gamma once per step (vectors.py ``cache_per_step``): the counts of completed
+vector cycles show it ran, for OR and ER vectors, split or reduced over TP, per expert and
+shared by the experts. Then each safety check raises.
 """
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 from megatron_scalevec import ScaleVecConfig
 from megatron_scalevec.testing import init_model_parallel, run_on_ranks
 from megatron_scalevec.testing import models as M
+from megatron_scalevec.vectors import ScaleVector
 
 RTOL = 1e-5  # measured worst: ~1e-6 (float32 summation order of the micro-batches)
 TINY = 2e-8  # an OR magnitude's gradient is a cancelling sum (see M.relative_mismatches)
@@ -23,10 +27,14 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2)
 
 
-def _train(config, strategy, on, n_micro, world_dp, dist_opt, overlap):
+STEPS = 3  # one step of gradients, then two SGD steps
+
+
+def _train(config, strategy, on, n_micro, world_dp, dist_opt, overlap, sv=None):
     from megatron_scalevec.layers import fold_cache
 
-    model = M.build_gpt(config, ScaleVecConfig.from_string(strategy, fold_per_step=on))
+    model = M.build_gpt(config, ScaleVecConfig.from_string(strategy, fold_per_step=on,
+                                                           **(sv or {})))
     M.perturb_vectors(model)
     start = {k: p.detach().clone() for k, p in model.named_parameters()}
     ddp = M.wrap_ddp(model, config, dist_opt, overlap_grad_reduce=overlap)
@@ -36,12 +44,16 @@ def _train(config, strategy, on, n_micro, world_dp, dist_opt, overlap):
     grads = {k: p.main_grad.detach().clone() for k, p in model.named_parameters()}
     losses += M.train_steps(ddp, config, data, 2, opt)
     params = {k: p.detach().clone() for k, p in model.named_parameters()}
-    cycles = sum(fold_cache.completed_cycles(m) for m in model.modules())
-    return dict(losses=losses, grads=grads, params=params, start=start, cycles=cycles)
+    cycles = sum(fold_cache.completed_cycles(m) for m in model.modules()
+                 if not isinstance(m, ScaleVector))
+    cached = [m for m in model.modules() if isinstance(m, ScaleVector) and m._step is not None]
+    vec_cycles = [fold_cache.completed_cycles(m) for m in cached]
+    return dict(losses=losses, grads=grads, params=params, start=start, cycles=cycles,
+                vec_cycles=vec_cycles)
 
 
 def _case(rank, world, strategy, *, n_micro, tp=1, ep=1, sp=False, dist_opt=False,
-          overlap=False, config=None):
+          overlap=False, config=None, sv=None):
     init_model_parallel(tp=tp, ep=ep)
     from megatron.core import parallel_state as ps
 
@@ -50,13 +62,14 @@ def _case(rank, world, strategy, *, n_micro, tp=1, ep=1, sp=False, dist_opt=Fals
         kw.update(expert_model_parallel_size=ep)
     config = M.tiny_config(**kw)
     dp = ps.get_data_parallel_world_size()
-    step, mb = (_train(config, strategy, on, n_micro, dp, dist_opt, overlap)
+    step, mb = (_train(config, strategy, on, n_micro, dp, dist_opt, overlap, sv)
                 for on in (True, False))
     bad = M.relative_mismatches(mb["grads"], step["grads"], rtol=RTOL, tiny=TINY)
     bad += [f"update {b}" for b in M.relative_mismatches(
         mb["params"], step["params"], rtol=1e-4, tiny=TINY, base=mb["start"])]
     return dict(bad=bad, losses=(step["losses"], mb["losses"]),
-                cycles=(step["cycles"], mb["cycles"]), keys=len(mb["grads"]))
+                cycles=(step["cycles"], mb["cycles"]), keys=len(mb["grads"]),
+                vec_cycles=(step["vec_cycles"], mb["vec_cycles"]))
 
 
 CASES = {
@@ -75,8 +88,8 @@ CASES = {
 }
 
 
-def _check(case, strategy, n_micro):
-    opts = dict(CASES[case])
+def _check(case, strategy, n_micro, **extra):
+    opts = dict(CASES[case], **extra)
     world = opts.pop("world")
     res = run_on_ranks(_case, world, strategy, n_micro=n_micro, **opts)
     for r in res:
@@ -93,6 +106,33 @@ def test_step_fold_equals_micro_batch_fold(case):
     res = _check(case, "unified", 4)
     for r in res:
         assert r["cycles"][0] > 0 and r["cycles"][1] == 0, r["cycles"]  # the mode really ran
+        _assert_vectors_cached(case, r)
+
+
+def _assert_vectors_cached(case, r):
+    """Every vector that opted in completed one cycle per step (grouped experts stack their
+    per-expert norms' parameters, so those never run the cycle); none did with the mode off."""
+    on, off = r["vec_cycles"]
+    assert on and not any(off), r["vec_cycles"]
+    if "grouped" in case:
+        assert sum(on) >= STEPS * 4 and set(on) <= {0, STEPS}, on  # qkv norms, final norm...
+    else:
+        assert set(on) == {STEPS}, on
+
+
+@pytest.mark.parametrize("case,strategy,sv", [
+    ("dense_dp2_distopt_overlap", "hg+dnp+er", None),
+    ("dense_tp2_sp_overlap", "er", None),  # Pre-Norm gammas reduced over TP (SP)
+    ("dense_tp2_sp_overlap", "hg+dnp+er", None),  # split ER over the FFN width
+    ("moe_sequential_ep2_distopt_overlap", "hg+dnp+er", None),
+    ("moe_sequential_ep2_distopt_overlap", "unified", dict(expert_vectors="shared")),
+    ("moe_grouped_tp2_sp", "unified", dict(expert_vectors="shared")),
+])
+def test_vectors_once_per_step_equal_per_micro_batch(case, strategy, sv):
+    """The vectors' gamma once per step (OR and ER, plain Pre-Norm ones under SP, computed
+    once per forward when shared by the experts) equals computing it per micro-batch."""
+    for r in _check(case, strategy, 4, sv=sv):
+        _assert_vectors_cached(case, r)
 
 
 @pytest.mark.parametrize("case,strategy", [("dense_tp2_sp_overlap", "hg+dp+er"),
@@ -107,6 +147,7 @@ def test_step_fold_equals_micro_batch_fold_output_vectors(case, strategy):
 def test_one_micro_batch_folds_per_micro_batch(case):
     res = _check(case, "unified", 1)
     assert all(r["cycles"] == (0, 0) for r in res), res
+    assert all(not any(r["vec_cycles"][0] + r["vec_cycles"][1]) for r in res), res
 
 
 def test_activation_recompute_folds_per_micro_batch():
@@ -117,6 +158,38 @@ def test_activation_recompute_folds_per_micro_batch():
     res = run_on_ranks(_case, 1, "unified", n_micro=4, config=recompute)
     assert not res[0]["bad"], res[0]["bad"]
     assert res[0]["cycles"] == (0, 0), res[0]["cycles"]
+    assert not any(res[0]["vec_cycles"][0]), res[0]["vec_cycles"]
+
+
+def _norm_case(rank, world, modules):
+    """One OR Pre-Norm under selective recompute of ``modules``, 4 micro-batches by hand:
+    (completed vector cycles with the mode on and off, gradients equal)."""
+    init_model_parallel()
+    from megatron_scalevec.layers import fold_cache
+    from megatron_scalevec.norms import ScaleVecNorm
+
+    config = M.tiny_config(recompute_granularity="selective", recompute_modules=modules)
+    xs = torch.randn(4, 3, 32, generator=torch.Generator().manual_seed(0))
+    grads, cycles = [], []
+    for on in (True, False):
+        norm = ScaleVecNorm(config, 32, scalevec=ScaleVecConfig.from_string(
+            "or", fold_per_step=on))
+        M.perturb_vectors(norm)
+        with fold_cache.step(len(xs)):
+            for x in xs:
+                norm(x).pow(3).sum().backward()
+        grads.append([p.grad.clone() for p in norm.parameters()])
+        cycles.append(fold_cache.completed_cycles(norm))
+    same = all(float((a - b).abs().max()) <= RTOL * float(b.abs().max()) for a, b in zip(*grads))
+    return tuple(cycles), same
+
+
+@pytest.mark.parametrize("modules,cycles", [(["layernorm"], (0, 0)), (["core_attn"], (1, 0))])
+def test_norm_recompute_computes_vectors_per_micro_batch(modules, cycles):
+    """Recomputing the norms re-runs their forward in backward: their gamma stays per
+    micro-batch then; a recompute that never re-runs a norm keeps it once per step.
+    (megatron-core's norm recompute itself cannot run here: without TE it raises NameError.)"""
+    assert run_on_ranks(_norm_case, 1, modules)[0] == (cycles, True)
 
 
 # ----------------------------------------------------------------- safety checks, one layer

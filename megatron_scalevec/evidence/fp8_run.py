@@ -102,11 +102,9 @@ def _label(name: str) -> tuple[int, str]:
 @torch.no_grad()
 def fused_branches(lin, norm) -> tuple[fp8.FusedBranches, Optional[torch.Tensor]]:
     """(FusedBranches of ``lin``, the pre-norm's gamma when it lives in the norm)."""
-    from megatron_scalevec.vectors import ScaleVector  # noqa: PLC0415
-
     w = lin.weight.detach().float()
     s, inn = len(lin.slots), w.shape[1]
-    norm_gamma = ScaleVector.forward(norm) if norm is not None and norm.enabled else None
+    norm_gamma = norm.gamma() if norm is not None and norm.enabled else None
     gin = lin._slot_stack(lin.scale_in, inn)
     if gin is None:
         gin = (norm_gamma.float() if norm_gamma is not None else torch.ones(inn)).expand(s, inn)

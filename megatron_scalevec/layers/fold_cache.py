@@ -13,7 +13,9 @@ map back) passes over the weight; here a folded layer, over one cycle of n train
   ``overlap_grad_reduce``'s bucket readiness) fire in the last micro-batch exactly as before.
 
 Exact because W_eff is fixed within the step. Memory while a step runs: W_eff and an fp32
-accumulator per folded weight (a per-micro-batch fold keeps neither). Off, so the caller folds
+accumulator per folded weight (a per-micro-batch fold keeps neither). The same cycle serves the
+scale vectors' own gamma (vectors.py ``ScaleVector.cache_per_step``: weights = the vector's
+parameters, fold and unfold the identity). Off, so the caller folds
 per micro-batch, when: ``ScaleVecConfig.fold_per_step`` is False, the micro-batch count is
 unknown or 1, in eval or without grad, under activation recompute of these layers (a recompute
 re-runs forwards), in ``fused.reference()``, or when nothing of the fold is trainable.
@@ -120,12 +122,12 @@ def _check_none_active(when: str) -> None:
     raise RuntimeError(message)
 
 
-def _recomputed(config) -> bool:
+def _recomputed(config, safe=_SAFE_RECOMPUTE) -> bool:
     granularity = getattr(config, "recompute_granularity", None)
     if granularity is None:
         return False
     modules = set(getattr(config, "recompute_modules", None) or ())
-    return granularity == "full" or bool(modules - _SAFE_RECOMPUTE)
+    return granularity == "full" or bool(modules - safe)
 
 
 class _Cycle:
@@ -163,12 +165,17 @@ class _Cycle:
                                f"step inside the cycle?); the cached effective weight is stale")
 
 
-def step_weight(module, ops: FoldOps) -> Optional[torch.Tensor]:
+def step_weight(module, ops: FoldOps, *, scalevec=None, config=None,
+                safe_recompute=_SAFE_RECOMPUTE) -> Optional[torch.Tensor]:
     """The effective weight for this forward of ``module`` under the fold once per step, or
-    None: fold per micro-batch. ``module`` has ``scalevec`` (and megatron-core's ``config``)."""
+    None: fold per micro-batch. ``module`` holds the cycle; ``scalevec`` and megatron-core's
+    ``config`` default to its own attributes (a scale vector gets its owner's);
+    ``safe_recompute``: the recompute modules that never re-run ``module``."""
     cycle = module.__dict__.get(_ATTR)
-    on = torch.is_grad_enabled() and module.training and module.scalevec.fold_per_step \
-        and not fused.use_reference() and not _recomputed(getattr(module, "config", None))
+    scalevec = scalevec if scalevec is not None else module.scalevec
+    config = config if config is not None else getattr(module, "config", None)
+    on = torch.is_grad_enabled() and module.training and scalevec.fold_per_step \
+        and not fused.use_reference() and not _recomputed(config, safe_recompute)
     n = num_microbatches() if on else None
     if n is None or n <= 1:
         if cycle is not None and cycle.seen:

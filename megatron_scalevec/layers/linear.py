@@ -194,7 +194,8 @@ class ScaleVecLinearMixin:
         """[S, width] gamma per slot (ones for a branch without vector), None if no vector."""
         if len(vectors) == 0:
             return None
-        per_branch = {name: vec() for name, vec in vectors.items()}
+        # gamma(), never the vectors' step cache: the fold is once per step itself.
+        per_branch = {name: vec.gamma() for name, vec in vectors.items()}
         ref = next(iter(per_branch.values()))
         ones = None
         rows: list[torch.Tensor] = []

@@ -64,7 +64,7 @@ def scale_vector_stats(model) -> dict:
             if not isinstance(vec, ScaleVector) or not vec.enabled:
                 continue
             key = f"sv/{name}" if len(model) == 1 else f"sv/chunk{chunk_idx}/{name}"
-            gamma = ScaleVector.forward(vec).detach().float()  # norms override forward(x)
+            gamma = vec.gamma().detach().float()
             sq = sharding.all_reduce_sum(gamma.pow(2).sum(), vec.split_group)
             stats[f"{key}/norm"] = math.sqrt(float(sq))
             if vec.parameterization == "or":
