@@ -153,8 +153,10 @@ class ScaleVector(nn.Module):
         from megatron_scalevec.layers import fold_cache  # noqa: PLC0415 (layers imports us)
 
         scalevec, config = self._step
-        ops = fold_cache.FoldOps(tuple(self.parameters(recurse=False)),
-                                 lambda: (self.gamma(),), _identity_fold, _identity_unfold)
+        # The [size] part first: fold_cache names the cycle after weights[0]'s shape.
+        weights = tuple(reversed(list(self.parameters(recurse=False))))
+        ops = fold_cache.FoldOps(weights, lambda: (self.gamma(),), _identity_fold,
+                                 _identity_unfold)
         return fold_cache.step_weight(self, ops, scalevec=scalevec, config=config,
                                       safe_recompute=_SAFE_RECOMPUTE)
 
