@@ -22,6 +22,9 @@ A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / 
 (ScaleVecConfig.apply_mode), ``compile`` / ``eager`` (the fused DNP kernels through
 torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails) and
 ``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch).
+
+Every variant runs the same megatron-core optimizer, with torch's AdamW in its multi-tensor
+form (:func:`multi_tensor_adam`; ``--adam-loop`` keeps the per-parameter loop).
 """
 
 from __future__ import annotations
@@ -142,6 +145,23 @@ def fold_seconds(model, cuda: bool, micro_batches: int, repeats: int = 5) -> flo
     return statistics.median(times)
 
 
+def multi_tensor_adam(optimizer) -> int:
+    """Switch torch's Adam/AdamW under megatron-core's optimizer to its multi-tensor
+    (``foreach``) form; returns how many were switched. Without TE or apex megatron-core falls
+    back to torch's AdamW, which on CPU loops over the parameters in Python (a dozen small ops
+    and a host sync each, whatever the size); on GPU megatron-core runs a fused multi-tensor
+    Adam. The loop would charge a strategy's tiny extra parameters (an OR magnitude per
+    vector, per expert) a cost GPUs do not pay: 2-3% of an MoE step here."""
+    switched = 0
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                group["foreach"] = True
+            switched += 1
+    return switched
+
+
 def model_config(args):
     """The benchmark model's TransformerConfig (one place to add model or expert options)."""
     from megatron_scalevec.testing import models as M
@@ -192,6 +212,8 @@ def run(args) -> list:
             lambda m=model, b=b: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
         ddp = M.wrap_ddp(model, cfg)
         opt = M.make_optimizer(ddp, lr=1e-4)
+        if not args.adam_loop:
+            multi_tensor_adam(opt)
         rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
                          act=act, state=_state_bytes(model), times=[], peak=None,
                          compile=compile_mode))
@@ -277,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's own)")
+    p.add_argument("--adam-loop", action="store_true",
+                   help="keep torch AdamW's per-parameter Python loop (megatron-core's CPU "
+                        "fallback) instead of its multi-tensor form (as GPUs run)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     return p
@@ -284,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cpu":
         from megatron_scalevec.compat.cpu import enable_cpu_compat
 

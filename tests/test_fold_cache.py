@@ -251,9 +251,9 @@ def _layer_case(rank, world, check):
 
 
 @pytest.mark.parametrize("check,message", [
-    ("too_few", "the optimizer step ended while 1 folded layer(s) had not mapped"),
+    ("too_few", "the optimizer step ended while 1 folded weight(s) or vector(s) had not mapped"),
     ("weight_changed", "the weight changed within the step"),
-    ("new_step", "a new optimizer step began while 1 folded layer(s)"),
+    ("new_step", "a new optimizer step began while 1 folded weight(s) or vector(s)"),
     ("missing_backward", "found 2 of the 3 earlier micro-batches' gradients"),
 ])
 def test_unsound_cycle_raises(check, message):

@@ -113,8 +113,8 @@ def _check_none_active(when: str) -> None:
     if not _ACTIVE:
         return
     cycles = list(_ACTIVE)
-    message = (f"fold once per step: {when} while {len(cycles)} folded layer(s) had not mapped "
-               f"their gradients back (e.g. {cycles[0].name}: {cycles[0].seen} of "
+    message = (f"fold once per step: {when} while {len(cycles)} folded weight(s) or vector(s) "
+               f"had not mapped their gradients back (e.g. {cycles[0].name}: {cycles[0].seen} of "
                f"{cycles[0].n} forwards): the step ran fewer micro-batches than announced, so "
                f"gradients would be lost")
     for cycle in cycles:  # dropped, so the next step starts clean
