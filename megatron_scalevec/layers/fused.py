@@ -390,14 +390,12 @@ def _glu_split_bwd(dh, z, mean, rstd, a_g, a_u, ids, act, gated: bool, dots):
 
 
 def _per_expert(ids, a_g, a_u, dz, da_g, da_u):
-    """Per-row vector gradients (experts) summed into each expert's vector."""
+    """Per-row vector gradients (experts) summed into each expert's vector: one small GEMM
+    with the rows' one-hot expert matrix (a scatter-add would be atomic adds per element)."""
     if ids is None:
         return dz, da_g, da_u
-    da_u = torch.zeros(a_u.shape, dtype=torch.float32, device=dz.device).index_add(0, ids, da_u)
-    if da_g is not None:
-        da_g = torch.zeros(a_g.shape, dtype=torch.float32, device=dz.device).index_add(
-            0, ids, da_g)
-    return dz, da_g, da_u
+    onehot = (ids[None, :] == torch.arange(a_u.shape[0], device=ids.device)[:, None]).float()
+    return dz, None if da_g is None else onehot @ da_g, onehot @ da_u
 
 
 class _GLUNorm(torch.autograd.Function):
