@@ -151,7 +151,7 @@ def multi_tensor_adam(optimizer) -> int:
     back to torch's AdamW, which on CPU loops over the parameters in Python (a dozen small ops
     and a host sync each, whatever the size); on GPU megatron-core runs a fused multi-tensor
     Adam. The loop would charge a strategy's tiny extra parameters (an OR magnitude per
-    vector, per expert) a cost GPUs do not pay: 2-3% of an MoE step here."""
+    vector, per expert) a cost GPUs do not pay."""
     switched = 0
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(opt, "optimizer", None)
@@ -240,10 +240,15 @@ def run(args) -> list:
     return rows
 
 
+def _half_iqr(values) -> float:
+    q = sorted(values)
+    return (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / 2
+
+
 def paired_ratio(times, base_times):
     """(median, half interquartile range) over rounds of times[i] / base_times[i]."""
-    q = sorted(t / b for t, b in zip(times, base_times))
-    return statistics.median(q), (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / 2
+    q = [t / b for t, b in zip(times, base_times)]
+    return statistics.median(q), _half_iqr(q)
 
 
 def report(rows, base_name: str) -> str:
@@ -263,8 +268,7 @@ def report(rows, base_name: str) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = med[r["name"]]
-        q = sorted(r["times"])
-        spread = (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / m
+        spread = 2 * _half_iqr(r["times"]) / m
         peak = (f"{r['peak'] / base['peak']:.3f}" if r["peak"] and base["peak"] else "n/a")
         extra = (r["params"] - base["params"]) / base["params"]
         cells = [r["name"], f"{r['params']:,}", f"{extra:.2e}", f"{m * 1e3:.1f}",

@@ -35,8 +35,6 @@ from megatron_scalevec import sharding
 
 PARTS = {"plain": ("weight",), "or": ("magnitude", "direction"), "er": ("alpha", "logit")}
 DECAYED_PARTS = {"weight", "magnitude", "alpha"}  # the direction parts are scale-invariant
-# Selective recompute that never re-runs a vector's owner ("layernorm" re-runs the norms).
-_SAFE_RECOMPUTE = {"core_attn", "moe_act"}
 
 
 class ScaleVector(nn.Module):
@@ -158,7 +156,7 @@ class ScaleVector(nn.Module):
         ops = fold_cache.FoldOps(weights, lambda: (self.gamma(),), _identity_fold,
                                  _identity_unfold)
         return fold_cache.step_weight(self, ops, scalevec=scalevec, config=config,
-                                      safe_recompute=_SAFE_RECOMPUTE)
+                                      safe_recompute=fold_cache.NORM_SAFE_RECOMPUTE)
 
     def _shared_scalar(self, s: torch.Tensor) -> torch.Tensor:
         # One scalar for a vector split across ranks: each rank sees part of its gradient.

@@ -47,6 +47,8 @@ _ACTIVE: weakref.WeakSet = weakref.WeakSet()  # cycles begun and not yet mapped 
 _ATTR = "_scalevec_step_fold"
 # Selective recompute that never re-runs a folded layer (norms, core attention, expert act).
 _SAFE_RECOMPUTE = {"core_attn", "layernorm", "moe_act"}
+# ... and for a norm's own vector (vectors.py): "layernorm" recompute re-runs the norms.
+NORM_SAFE_RECOMPUTE = _SAFE_RECOMPUTE - {"layernorm"}
 
 
 class FoldOps(NamedTuple):

@@ -367,26 +367,27 @@ def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots):
     return torch.cat(dz, -1).to(z.dtype), da_g, da_u
 
 
-def _glu_local_fwd(z, a_g, a_u, ids, act, gated: bool, layer: bool, eps: float, n: int):
-    """_glu_stats and _glu_fwd for an unsplit width, as one function (one compiled kernel)."""
-    mean, rstd = _glu_stats(z, gated, layer, eps, None, n, kernel=_glu_sums)
-    return _glu_fwd(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated), mean, rstd
-
-
 def _glu_split_fwd(z, mean, rstd, a_g, a_u, ids, act, gated: bool):
+    """_glu_fwd with each row's vectors (per expert when ``ids`` is given)."""
     return _glu_fwd(z, mean, rstd, *_rows(ids, a_g, a_u), act, gated)
 
 
-def _glu_local_bwd(dh, z, mean, rstd, a_g, a_u, ids, act, gated: bool, n: int):
-    """Both _glu_bwd passes for an unsplit width, as one function."""
-    vectors = _rows(ids, a_g, a_u)
-    dots = _glu_bwd(dh, z, mean, rstd, *vectors, act, gated, None) / n
-    return _per_expert(ids, a_g, a_u, *_glu_bwd(dh, z, mean, rstd, *vectors, act, gated, dots))
-
-
 def _glu_split_bwd(dh, z, mean, rstd, a_g, a_u, ids, act, gated: bool, dots):
+    """_glu_bwd with each row's vectors; the vector gradients summed per expert."""
     out = _glu_bwd(dh, z, mean, rstd, *_rows(ids, a_g, a_u), act, gated, dots)
     return out if dots is None else _per_expert(ids, a_g, a_u, *out)
+
+
+def _glu_local_fwd(z, a_g, a_u, ids, act, gated: bool, layer: bool, eps: float, n: int):
+    """_glu_stats and _glu_split_fwd for an unsplit width, as one function (one kernel)."""
+    mean, rstd = _glu_stats(z, gated, layer, eps, None, n, kernel=_glu_sums)
+    return _glu_split_fwd(z, mean, rstd, a_g, a_u, ids, act, gated), mean, rstd
+
+
+def _glu_local_bwd(dh, z, mean, rstd, a_g, a_u, ids, act, gated: bool, n: int):
+    """Both _glu_split_bwd passes for an unsplit width, as one function."""
+    args = (dh, z, mean, rstd, a_g, a_u, ids, act, gated)
+    return _glu_split_bwd(*args, _glu_split_bwd(*args, None) / n)
 
 
 def _per_expert(ids, a_g, a_u, dz, da_g, da_u):
