@@ -104,13 +104,19 @@ class ScaleVector(nn.Module):
         """Inside the block every call returns the gamma computed on entry: one autograd node,
         so a vector used by several modules (shared expert vectors) is transformed and its
         gradient reduced once per forward, not once per user."""
-        # object.__setattr__: a plain fp32 gamma is the Parameter itself, which
-        # Module.__setattr__ would try to register as a parameter named _once
-        object.__setattr__(self, "_once", ScaleVector.forward(self))  # also for a norm
+        outer = self._once  # inside a layer's evaluation (layers/layer.py): the same gamma
+        self.hold(ScaleVector.forward(self))  # also for a norm
         try:
             yield
         finally:
-            object.__setattr__(self, "_once", None)
+            self.hold(outer)
+
+    def hold(self, gamma: Optional[torch.Tensor]) -> None:
+        """Make every call return ``gamma`` (None: compute again); for :meth:`computed_once`
+        and a layer's evaluation of all its vectors at once (layers/layer.py)."""
+        # object.__setattr__: a plain fp32 gamma is the Parameter itself, which
+        # Module.__setattr__ would try to register as a parameter named _once
+        object.__setattr__(self, "_once", gamma)
 
     def forward(self) -> Optional[torch.Tensor]:
         """The effective gamma [size] (float32), or None when there is no vector; once per
@@ -201,6 +207,57 @@ class ScaleVector(nn.Module):
     def extra_repr(self) -> str:
         return (f"size={self.size}, global_size={self.global_size}, "
                 f"parameterization={self.parameterization}, role={self.role}")
+
+
+def stacked(vectors: list) -> torch.Tensor:
+    """[k, m] float32: ``gamma()`` of k alike vectors (:func:`alike`) as one batched
+    operation, with the same split statistics and gradient reduction as one by one."""
+    v0 = vectors[0]
+    kind = v0.parameterization
+
+    def stack(part):
+        return torch.stack([getattr(v, part) for v in vectors]).float()
+
+    if kind == "plain":
+        gamma = stack("weight")
+    elif kind == "or":
+        u = stack("direction")  # [k, m]
+        sq = sharding.all_reduce_sum(u.pow(2).sum(-1, keepdim=True), v0.split_group)
+        beta = sharding.reduce_grad(stack("magnitude"), v0.split_group)  # [k, 1]
+        gamma = beta * u * torch.rsqrt(sq / v0.global_size)
+    else:
+        v = stack("logit")
+        mean = sharding.all_reduce_sum(v.sum(-1, keepdim=True), v0.split_group) / v0.global_size
+        alpha = sharding.reduce_grad(stack("alpha"), v0.split_group)
+        gamma = torch.exp(alpha + v - mean)
+    return sharding.reduce_grad(gamma, v0.grad_group)
+
+
+def alike(v: ScaleVector) -> tuple:
+    """Vectors with equal keys can be stacked: same parameterization, lengths, groups, dtype."""
+    dtype = next(v.parameters()).dtype if v.enabled else None
+    return (v.parameterization, v.size, v.global_size, v.split_group, v.grad_group, dtype)
+
+
+def gammas(vectors: list) -> list:
+    """``gamma()`` of each vector (None where it has none), alike OR / ER vectors computed as
+    one stacked operation: a few ops (and one all-reduce per group) instead of a dozen per
+    vector. A vector held by :meth:`ScaleVector.hold` returns what it holds."""
+    out: list = [None] * len(vectors)
+    groups: dict = {}
+    for i, v in enumerate(vectors):
+        if v._once is None and v.parameterization in ("or", "er"):
+            groups.setdefault(alike(v), {}).setdefault(id(v), []).append(i)
+        else:
+            out[i] = v.gamma()
+    for group in groups.values():
+        first = [idx[0] for idx in group.values()]
+        rows = (stacked([vectors[i] for i in first]).unbind(0) if len(first) > 1
+                else [vectors[first[0]].gamma()])
+        for idx, row in zip(group.values(), rows):
+            for i in idx:
+                out[i] = row
+    return out
 
 
 def _identity_fold(weights, vectors):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_scalevec.testing import run_on_ranks
-from megatron_scalevec.vectors import ScaleVector
+from megatron_scalevec.vectors import ScaleVector, gammas
 
 
 @pytest.mark.parametrize("kind,parts", [("plain", {"weight"}), ("or", {"magnitude", "direction"}),
@@ -103,3 +103,60 @@ def test_computed_once_returns_one_gamma(kind):
         first = v()
         assert v() is first and "_once" not in dict(v.named_parameters())
     assert torch.equal(v(), first.detach())
+
+
+def _vectors(kinds_sizes):
+    vecs = [ScaleVector(m, kind) for kind, m in kinds_sizes]
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in (p for v in vecs for p in v.parameters()):
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return vecs
+
+
+def test_gammas_equal_one_by_one():
+    """Alike vectors stacked (two OR of 6, two ER of 6, one OR of 4, a plain one, one used
+    twice, one without vector): the same gammas and parameter gradients as gamma() each."""
+    vecs = _vectors([("or", 6), ("er", 6), ("or", 6), ("er", 6), ("or", 4), ("plain", 6)])
+    vecs.append(ScaleVector(6, None))
+    order = [0, 1, 2, 3, 4, 5, 2, 6]
+    w = [torch.randn(v.size, generator=torch.Generator().manual_seed(i)) for i, v in
+         enumerate(vecs)]
+    grads = []
+    for batched in (True, False):
+        for p in (p for v in vecs for p in v.parameters()):
+            p.grad = None
+        out = gammas([vecs[i] for i in order]) if batched else [vecs[i].gamma() for i in order]
+        assert out[-1] is None
+        sum((g * w[i]).sum() for g, i in zip(out[:-1], order)).backward()
+        grads.append(([g.detach() for g in out[:-1]],
+                      [p.grad.clone() for v in vecs for p in v.parameters()]))
+    (got, got_grad), (want, want_grad) = grads
+    for a, b in zip(got + got_grad, want + want_grad):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7 * float(b.abs().max())), (a, b)
+
+
+def test_gammas_stack_alike_vectors():
+    """One stacked evaluation per group of alike vectors, not one per vector."""
+    vecs = _vectors([("or", 6)] * 4 + [("or", 4)])
+    calls = []
+    real = ScaleVector.gamma
+    ScaleVector.gamma = lambda self: calls.append(self) or real(self)
+    try:
+        gammas(vecs)
+    finally:
+        ScaleVector.gamma = real
+    assert calls == [vecs[4]]  # the four of length 6 went through stacked()
+
+
+def test_held_gamma_survives_computed_once():
+    """A layer holds a vector's gamma; a user's computed_once inside returns it and leaves
+    it held (it used to drop it)."""
+    v = ScaleVector(6, "or")
+    held = v.gamma()
+    v.hold(held)
+    with v.computed_once():
+        assert v() is held
+    assert v() is held and gammas([v])[0] is held
+    v.hold(None)
+    assert v() is not held

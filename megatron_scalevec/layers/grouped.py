@@ -29,7 +29,7 @@ import torch
 from megatron_scalevec import sharding
 from megatron_scalevec.layers import fold_cache, fused
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
-from megatron_scalevec.vectors import ScaleVector
+from megatron_scalevec.vectors import ScaleVector, stacked
 
 __all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_fold",
            "stacked_fold_backward", "stacked_fold_ops", "stacked_forward_weight", "stacked_gamma"]
@@ -65,31 +65,17 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
 
 def stacked_gamma(vectors: list) -> Optional[torch.Tensor]:
     """[E, m] float32: ``ScaleVector.forward()`` of E alike vectors (one per expert) computed
-    as one batched operation, with the same split statistics and gradient reduction. One
-    vector object used E times (``expert_vectors='shared'``) is computed once and expanded."""
+    as one batched operation (vectors.py ``stacked``). One vector object used E times
+    (``expert_vectors='shared'``) is computed once and expanded; vectors their layer holds
+    (layers/layer.py) are stacked as held."""
     v0 = vectors[0]
     if not v0.enabled:
         return None
     if all(v is v0 for v in vectors):
         return ScaleVector.forward(v0).expand(len(vectors), -1)  # a norm's gamma too
-    kind = v0.parameterization
-
-    def stack(part):
-        return torch.stack([getattr(v, part) for v in vectors]).float()
-
-    if kind == "plain":
-        gamma = stack("weight")
-    elif kind == "or":
-        u = stack("direction")  # [E, m]
-        sq = sharding.all_reduce_sum(u.pow(2).sum(-1, keepdim=True), v0.split_group)
-        beta = sharding.reduce_grad(stack("magnitude"), v0.split_group)  # [E, 1]
-        gamma = beta * u * torch.rsqrt(sq / v0.global_size)
-    else:
-        v = stack("logit")
-        mean = sharding.all_reduce_sum(v.sum(-1, keepdim=True), v0.split_group) / v0.global_size
-        alpha = sharding.reduce_grad(stack("alpha"), v0.split_group)
-        gamma = torch.exp(alpha + v - mean)
-    return sharding.reduce_grad(gamma, v0.grad_group)
+    if all(v._once is not None for v in vectors):
+        return torch.stack([v._once for v in vectors])
+    return stacked(vectors)
 
 
 def _slot_stack(fc1, vectors_of, width: int) -> Optional[torch.Tensor]:

@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fold_cache, fused
-from megatron_scalevec.vectors import ScaleVector
+from megatron_scalevec.vectors import ScaleVector, gammas
 
 
 def branch_layout(branches: str, config, out_local: int) -> tuple:
@@ -195,7 +195,7 @@ class ScaleVecLinearMixin:
         if len(vectors) == 0:
             return None
         # gamma(), never the vectors' step cache: the fold is once per step itself.
-        per_branch = {name: vec.gamma() for name, vec in vectors.items()}
+        per_branch = dict(zip(vectors.keys(), gammas(list(vectors.values()))))
         ref = next(iter(per_branch.values()))
         ones = None
         rows: list[torch.Tensor] = []
