@@ -23,13 +23,16 @@ A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / 
 torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails) and
 ``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch).
 
-Every variant runs the same megatron-core optimizer, with torch's AdamW in its multi-tensor
-form (:func:`multi_tensor_adam`; ``--adam-loop`` keeps the per-parameter loop).
+Every variant runs the same megatron-core optimizer (clipping at ``--clip-grad``) on
+multi-tensor kernels, as GPUs do: torch's fused AdamW (:func:`multi_tensor_adam`) and torch's
+multi-tensor ops for the gradient norm and clipping (:func:`multi_tensor_kernels`);
+``--cpu-fallbacks`` keeps megatron-core's per-parameter CPU fallbacks.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -145,21 +148,83 @@ def fold_seconds(model, cuda: bool, micro_batches: int, repeats: int = 5) -> flo
     return statistics.median(times)
 
 
-def multi_tensor_adam(optimizer) -> int:
-    """Switch torch's Adam/AdamW under megatron-core's optimizer to its multi-tensor
-    (``foreach``) form; returns how many were switched. Without TE or apex megatron-core falls
-    back to torch's AdamW, which on CPU loops over the parameters in Python (a dozen small ops
-    and a host sync each, whatever the size); on GPU megatron-core runs a fused multi-tensor
-    Adam. The loop would charge a strategy's tiny extra parameters (an OR magnitude per
-    vector, per expert) a cost GPUs do not pay."""
+def _fusable(group, state) -> bool:
+    """torch has a fused Adam kernel for every parameter of the group, none has state yet."""
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices as devices
+    except ImportError:  # older torch: keep foreach
+        return False
+    ok = set(devices())
+    return not group.get("differentiable") and all(
+        p.is_floating_point() and p.device.type in ok and not state.get(p)
+        for p in group["params"])
+
+
+def multi_tensor_adam(optimizer, fused: bool = True) -> int:
+    """Switch torch's Adam/AdamW under megatron-core's optimizer to a multi-tensor form: its
+    fused kernel where torch has one (``fused=True``, ``foreach`` off, as torch requires),
+    else ``foreach``; returns how many optimizers were switched. Without TE or apex
+    megatron-core falls back to torch's AdamW, which on CPU loops over the parameters in
+    Python (``foreach`` still takes two host syncs per parameter); on GPU megatron-core runs a
+    fused multi-tensor Adam. The loop would charge a strategy's tiny extra parameters (an OR
+    magnitude per vector, per expert) a cost GPUs do not pay."""
     switched = 0
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(opt, "optimizer", None)
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             for group in inner.param_groups:
-                group["foreach"] = True
+                use_fused = fused and _fusable(group, inner.state)
+                group["fused"], group["foreach"] = use_fused, not use_fused
             switched += 1
     return switched
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron-core's ``l2_norm_impl`` on torch's multi-tensor norm: (the total L2 norm as a
+    1-element fp32 tensor on the tensors' device, the per-tensor norms or None)."""
+    tensors = [t for tl in tensor_lists for t in tl]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    return torch.linalg.vector_norm(norms).reshape(1), norms if per_tensor else None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron-core's ``multi_tensor_scale_impl`` (dst = src * scale) on torch's multi-tensor
+    ops; in place when src and dst are the same list (clipping)."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if src is dst:
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+@contextlib.contextmanager
+def multi_tensor_kernels():
+    """While active, megatron-core's local fallbacks of the multi-tensor L2 norm and scale
+    (gradient norm, clipping, fp16 main-param copies) run on torch's multi-tensor ops; yields
+    how many bindings were replaced. GPUs run these as fused multi-tensor kernels (TE or apex);
+    the fallbacks, one op and a host float per tensor, would charge many tiny parameters a
+    cost GPUs do not pay. Bindings to TE or apex kernels are left alone."""
+    import importlib
+
+    from megatron.core import utils
+
+    stand_ins = {utils.local_multi_tensor_l2_norm: _foreach_l2_norm,
+                 utils.local_multi_tensor_scale: _foreach_scale}
+    saved = []
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        module = importlib.import_module(name)
+        for attr in ("l2_norm_impl", "multi_tensor_scale_impl"):
+            fn = getattr(module, attr, None)
+            if fn in stand_ins:
+                saved.append((module, attr, fn))
+                setattr(module, attr, stand_ins[fn])
+    try:
+        yield len(saved)
+    finally:
+        for module, attr, fn in reversed(saved):
+            setattr(module, attr, fn)
 
 
 def model_config(args):
@@ -180,6 +245,13 @@ def model_config(args):
 
 
 def run(args) -> list:
+    """Build, train and time every variant; all of them under megatron-core's multi-tensor
+    stand-ins (:func:`multi_tensor_kernels`) unless ``--cpu-fallbacks``."""
+    with contextlib.nullcontext() if args.cpu_fallbacks else multi_tensor_kernels():
+        return _run(args)
+
+
+def _run(args) -> list:
     from megatron.core import parallel_state
 
     from megatron_scalevec.layers import fused
@@ -211,8 +283,8 @@ def run(args) -> list:
         act = saved_activation_bytes(
             lambda m=model, b=b: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
         ddp = M.wrap_ddp(model, cfg)
-        opt = M.make_optimizer(ddp, lr=1e-4)
-        if not args.adam_loop:
+        opt = M.make_optimizer(ddp, lr=1e-4, clip_grad=args.clip_grad)
+        if not args.cpu_fallbacks:
             multi_tensor_adam(opt)
         rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
                          act=act, state=_state_bytes(model), times=[], peak=None,
@@ -305,9 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's own)")
-    p.add_argument("--adam-loop", action="store_true",
-                   help="keep torch AdamW's per-parameter Python loop (megatron-core's CPU "
-                        "fallback) instead of its multi-tensor form (as GPUs run)")
+    p.add_argument("--cpu-fallbacks", "--adam-loop", dest="cpu_fallbacks", action="store_true",
+                   help="keep megatron-core's CPU fallbacks (torch AdamW's per-parameter loop, "
+                        "the per-tensor gradient norm and clipping loops) instead of "
+                        "multi-tensor kernels (fused AdamW, torch._foreach_*), as GPUs run")
+    p.add_argument("--clip-grad", type=float, default=1.0,
+                   help="megatron-core's clip_grad (default 1.0, as the trainer; 0: no "
+                        "gradient norm, no clipping)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     return p

@@ -192,30 +192,134 @@ def test_rule_matching_nothing_fails():
     assert msg is not None and "input_vectors" in msg
 
 
-def _adam_forms(rank, world):
-    """Two Adam steps of unified, per-parameter loop and multi-tensor (bench.multi_tensor_adam)."""
+def _adam_steps(config, grads, fused):
+    """Two AdamW steps (weight decay on, so Adam's L2 and AdamW's decoupled decay differ) of
+    megatron-core's optimizer on a fresh unified model, with the same given gradients in every
+    form (recomputed ones would differ by rounding, which Adam amplifies where |g| ~ eps):
+    per-parameter loop (fused None), foreach (False) or fused (True)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     from megatron_scalevec.bench import multi_tensor_adam
 
+    ddp = M.wrap_ddp(M.build_gpt(config, "unified"), config)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0), [ddp])
+    switched = 0 if fused is None else multi_tensor_adam(opt, fused=fused)
+    groups = [g for o in getattr(opt, "chained_optimizers", [opt])
+              for g in o.optimizer.param_groups]
+    for step in range(2):
+        for p, g in zip(ddp.parameters(), grads):  # step 2: other values, same scale
+            p.main_grad.copy_(g if step == 0 else g.flatten().roll(1).view_as(g))
+        opt.step()
+    flags = [(bool(g.get("foreach")), bool(g.get("fused"))) for g in groups]
+    return switched, flags, {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+
+
+def _adam_forms(rank, world):
+    """Two Adam steps of unified: loop, multi-tensor foreach and fused (bench.multi_tensor_adam).
+    Returns each form's largest difference to the loop, relative to each tensor's scale."""
     init_model_parallel()
     config = M.tiny_config()
-    data = M.batches(2, 2)
-    out = []
-    for foreach in (False, True):
-        ddp = M.wrap_ddp(M.build_gpt(config, "unified"), config)
-        opt = M.make_optimizer(ddp, lr=1e-2)
-        switched = multi_tensor_adam(opt) if foreach else 0
-        groups = [g for o in getattr(opt, "chained_optimizers", [opt])
-                  for g in o.optimizer.param_groups]
-        M.train_steps(ddp, config, data, 2, opt)
-        out.append((switched, [bool(g.get("foreach")) for g in groups],
-                    {n: p.detach().clone() for n, p in ddp.module.named_parameters()}))
-    (_, loop_flags, loop), (switched, flags, multi) = out
-    assert switched >= 1 and all(flags) and not any(loop_flags)
-    return max(float((multi[n] - loop[n]).abs().max() / loop[n].abs().max().clamp_min(1e-12))
-               for n in loop)
+    ddp = M.wrap_ddp(M.build_gpt(config, "unified"), config)
+    M.train_steps(ddp, config, M.batches(2, 2), 1)  # gradients only
+    grads = [p.main_grad.clone() for p in ddp.parameters()]
+    runs = {form: _adam_steps(config, grads, form) for form in (None, False, True)}
+    (_, loop_flags, loop) = runs[None]
+    assert not any(f or u for f, u in loop_flags)
+    out = {}
+    for fused, want in ((False, (True, False)), (True, (False, True))):
+        switched, flags, multi = runs[fused]
+        assert switched >= 1 and all(f == want for f in flags), (fused, flags)
+        out[fused] = max(float((multi[n] - loop[n]).abs().max() /
+                               loop[n].abs().max().clamp_min(1e-12)) for n in loop)
+    return out
 
 
 def test_benchmark_multi_tensor_adam_is_the_same_update():
-    """The benchmark's multi-tensor AdamW takes the same two steps as megatron-core's
-    CPU fallback loop (it only removes the per-parameter Python overhead)."""
-    assert run_on_ranks(_adam_forms, 1)[0] < 1e-6
+    """The benchmark's fused AdamW (and its foreach fallback) takes the same two steps, weight
+    decay included, as megatron-core's CPU fallback loop (it only removes the per-parameter
+    Python overhead)."""
+    diffs = run_on_ranks(_adam_forms, 1)[0]
+    assert diffs[True] < 1e-6 and diffs[False] < 1e-6, diffs
+
+
+CLIP = 1e-3  # far below the tiny model's gradient norm: every step clips
+
+
+def _clip_forms(rank, world):
+    """Two SGD steps of unified clipped at CLIP, under megatron-core's local gradient-norm and
+    scale fallbacks and under the benchmark's stand-ins (bench.multi_tensor_kernels): for each,
+    (bindings replaced, grad norms, clipped gradients of the last step, parameters)."""
+    import contextlib
+
+    from megatron_scalevec.bench import multi_tensor_kernels
+
+    init_model_parallel()
+    config = M.tiny_config()
+    out = []
+    for stand_ins in (False, True):
+        ddp = M.wrap_ddp(M.build_gpt(config, "unified"), config)
+        opt = M.make_optimizer(ddp, lr=1.0, optimizer="sgd", clip_grad=CLIP)
+        norms = []
+        with multi_tensor_kernels() if stand_ins else contextlib.nullcontext(0) as replaced:
+            M.train_steps(ddp, config, M.batches(2, 2), 2, opt, grad_norms=norms)
+        named = list(ddp.module.named_parameters())
+        out.append((replaced, norms, {n: p.grad.detach().clone() for n, p in named},
+                    {n: p.detach().clone() for n, p in named}))
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    assert clip_grads.l2_norm_impl is local_multi_tensor_l2_norm  # restored on exit
+    return out
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def test_benchmark_multi_tensor_kernels_same_norm_and_clipping():
+    """The benchmark's multi-tensor stand-ins for megatron-core's CPU fallbacks give the same
+    gradient norm (relative 1e-6), the same clipped gradients and the same SGD steps."""
+    (_, ref_norms, ref_grads, ref_params), (replaced, norms, grads, params) = \
+        run_on_ranks(_clip_forms, 1)[0]
+    assert replaced >= 2  # clip_grads' l2 norm and scale
+    assert min(ref_norms) > 10 * CLIP  # clipping bites in both steps
+    for got, want in zip(norms, ref_norms):
+        assert abs(got - want) <= 1e-6 * want, (got, want)
+    bad = [f"{n}: grad {_rel(grads[n], ref_grads[n]):.2e}, param {_rel(params[n], p):.2e}"
+           for n, p in ref_params.items()
+           if _rel(grads[n], ref_grads[n]) > 1e-5 or _rel(params[n], p) > 1e-6]
+    assert not bad, "\n".join(bad)
+
+
+def test_benchmark_stand_ins_match_megatron_local_fallbacks():
+    """Called as megatron-core calls them (through its applier): the L2 norm over tensors of
+    mixed shapes, and the scale both in place and into other tensors of another dtype
+    (the fp16 main-param copy) equal megatron-core's local fallbacks."""
+    import torch
+    from megatron.core.utils import (
+        local_multi_tensor_applier,
+        local_multi_tensor_l2_norm,
+        local_multi_tensor_scale,
+    )
+
+    from megatron_scalevec.bench import _foreach_l2_norm, _foreach_scale
+
+    gen = torch.Generator().manual_seed(0)
+    ts = [torch.randn(shape, generator=gen) for shape in ((7,), (3, 5), (2, 3, 4), (1,))]
+    flag = torch.zeros(1, dtype=torch.int)
+    want, _ = local_multi_tensor_applier(local_multi_tensor_l2_norm, flag, [ts], False)
+    got, per = local_multi_tensor_applier(_foreach_l2_norm, flag, [ts], True)
+    assert got.shape == want.shape == (1,) and got.dtype == torch.float32
+    assert got.device == ts[0].device
+    assert abs(float(got) - float(want)) <= 1e-6 * float(want)
+    assert torch.allclose(per, torch.stack([t.norm() for t in ts]), rtol=1e-6)
+    for dtype in (torch.float32, torch.bfloat16):
+        outs = [[torch.empty_like(t, dtype=dtype) for t in ts] for _ in range(2)]
+        local_multi_tensor_applier(local_multi_tensor_scale, flag, [ts, outs[0]], 0.3)
+        local_multi_tensor_applier(_foreach_scale, flag, [ts, outs[1]], 0.3)
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), dtype
+    inplace = [[t.clone() for t in ts] for _ in range(2)]
+    local_multi_tensor_applier(local_multi_tensor_scale, flag, [inplace[0], inplace[0]], 0.3)
+    local_multi_tensor_applier(_foreach_scale, flag, [inplace[1], inplace[1]], 0.3)
+    assert all(torch.equal(a, b) for a, b in zip(*inplace))
