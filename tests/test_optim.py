@@ -323,3 +323,61 @@ def test_benchmark_stand_ins_match_megatron_local_fallbacks():
     local_multi_tensor_applier(local_multi_tensor_scale, flag, [inplace[0], inplace[0]], 0.3)
     local_multi_tensor_applier(_foreach_scale, flag, [inplace[1], inplace[1]], 0.3)
     assert all(torch.equal(a, b) for a, b in zip(*inplace))
+
+
+_FAULTS = """
+import resource, sys, torch
+from megatron_scalevec.bench import keep_freed_memory
+assert sys.argv[1] == "system" or keep_freed_memory()
+out = []
+for i in range(4):  # a 24 MB activation freed below a small live tensor, as in a step
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(6 << 20)
+    keep = torch.ones(1 << 10)
+    del x
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(out)
+"""
+
+
+def test_benchmark_keeps_freed_memory():
+    """With the benchmark's malloc settings a freed large tensor's memory is reused: no page
+    faults from the third round on (with glibc's defaults this pattern may fault every round,
+    depending on the heap's history)."""
+    import ast
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not glibc")
+    faults = {mode: ast.literal_eval(subprocess.run(
+        [sys.executable, "-c", _FAULTS, mode], check=True, capture_output=True,
+        text=True).stdout.strip().splitlines()[-1]) for mode in ("keep",)}
+    assert max(faults["keep"][2:]) < 0.05 * faults["keep"][0], faults
+
+
+def _bench_order(rank, world):
+    init_model_parallel()
+    from megatron_scalevec import bench
+    from megatron_scalevec.testing import models as M
+
+    args = bench.build_parser().parse_args(
+        ["--variants", "stock", "shared", "unified", "--num-layers", "1", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+         "--seq-length", "16", "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0",
+         "--repeats", "3"])
+    order, real = [], M.train_steps
+    M.train_steps = lambda ddp, *a, **k: order.append(ddp) or real(ddp, *a, **k)
+    try:
+        rows = bench.run(args)
+    finally:
+        M.train_steps = real
+    ids = [[r["ddp"] for r in rows].index(d) for d in order]
+    return ids, [len(r["times"]) for r in rows]
+
+
+def test_benchmark_rounds_rotate():
+    """Each round starts one variant later: no variant always follows the same one."""
+    ids, counts = run_on_ranks(_bench_order, 1)[0]
+    assert ids == [0, 1, 2, 1, 2, 0, 2, 0, 1] and counts == [3, 3, 3], ids
