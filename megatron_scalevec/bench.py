@@ -26,9 +26,8 @@ torch.compile, or not; default: what the trainer does, compiled, eager if compil
 Every variant runs the same megatron-core optimizer (clipping at ``--clip-grad``) on
 multi-tensor kernels, as GPUs do: torch's fused AdamW (:func:`multi_tensor_adam`) and torch's
 multi-tensor ops for the gradient norm and clipping (:func:`multi_tensor_kernels`);
-``--cpu-fallbacks`` keeps megatron-core's per-parameter CPU fallbacks. On CPU, freed memory
-is kept for reuse (:func:`keep_freed_memory`; ``--system-malloc``: glibc's defaults). Each
-round starts one variant later than the previous one.
+``--cpu-fallbacks`` keeps megatron-core's per-parameter CPU fallbacks. Each round starts one
+variant later than the previous one, so no variant always runs right after the same one.
 """
 
 from __future__ import annotations
@@ -357,24 +356,6 @@ def report(rows, base_name: str) -> str:
     return "\n".join(lines)
 
 
-def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory for reuse, as a GPU's caching allocator does (and
-    as the CPU run would at steady state with jemalloc / tcmalloc): by default it returns large
-    blocks to the OS and every large tensor of the next step costs fresh page faults, charged
-    to each variant by how much it allocates rather than by what it computes. False where
-    there is no glibc ``mallopt`` (the allocator then stays as it is)."""
-    import ctypes  # noqa: PLC0415
-    import ctypes.util  # noqa: PLC0415
-
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    trim, top_pad, mmap_threshold = -1, -2, -3  # M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD
-    return all(mallopt(opt, value) == 1 for opt, value in (
-        (mmap_threshold, 32 << 20), (trim, 1 << 30), (top_pad, 64 << 20)))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
@@ -402,9 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep megatron-core's CPU fallbacks (torch AdamW's per-parameter loop, "
                         "the per-tensor gradient norm and clipping loops) instead of "
                         "multi-tensor kernels (fused AdamW, torch._foreach_*), as GPUs run")
-    p.add_argument("--system-malloc", action="store_true",
-                   help="CPU: leave glibc's malloc returning freed memory to the OS (default: "
-                        "kept for reuse, as a GPU caching allocator does; keep_freed_memory)")
     p.add_argument("--clip-grad", type=float, default=1.0,
                    help="megatron-core's clip_grad (default 1.0, as the trainer; 0: no "
                         "gradient norm, no clipping)")
@@ -419,9 +397,6 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     if args.device == "cpu":
         from megatron_scalevec.compat.cpu import enable_cpu_compat
-
-        if not args.system_malloc:
-            keep_freed_memory()
 
         enable_cpu_compat()
     import os

@@ -325,38 +325,6 @@ def test_benchmark_stand_ins_match_megatron_local_fallbacks():
     assert all(torch.equal(a, b) for a, b in zip(*inplace))
 
 
-_FAULTS = """
-import resource, sys, torch
-from megatron_scalevec.bench import keep_freed_memory
-assert sys.argv[1] == "system" or keep_freed_memory()
-out = []
-for i in range(4):  # a 24 MB activation freed below a small live tensor, as in a step
-    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    x = torch.ones(6 << 20)
-    keep = torch.ones(1 << 10)
-    del x
-    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-print(out)
-"""
-
-
-def test_benchmark_keeps_freed_memory():
-    """With the benchmark's malloc settings a freed large tensor's memory is reused: no page
-    faults from the third round on (with glibc's defaults this pattern may fault every round,
-    depending on the heap's history)."""
-    import ast
-    import platform
-    import subprocess
-    import sys
-
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("not glibc")
-    faults = {mode: ast.literal_eval(subprocess.run(
-        [sys.executable, "-c", _FAULTS, mode], check=True, capture_output=True,
-        text=True).stdout.strip().splitlines()[-1]) for mode in ("keep",)}
-    assert max(faults["keep"][2:]) < 0.05 * faults["keep"][0], faults
-
-
 def _bench_order(rank, world):
     init_model_parallel()
     from megatron_scalevec import bench
