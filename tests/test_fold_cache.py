@@ -6,7 +6,10 @@ through megatron-core's DDP, optimizer and forward-backward schedule: the loss, 
 updates of two SGD steps (the second one runs on a W_eff rebuilt after the first step) must
 agree, with tolerances relative to each tensor's scale. The cases cover 1 and 4 micro-batches
 per rank, ``overlap_grad_reduce`` on and off, the distributed optimizer, dense and MoE with
-sequential and grouped experts, TP2 with sequence parallelism and EP2; and that the mode was
+sequential and grouped experts, TP2 with sequence parallelism, EP2, and pipeline parallelism
+(PP2, and PP2 with two virtual stages per rank: the interleaved schedule runs micro-batches of
+the two model chunks in turn, each chunk's cycle must still see its own n forwards and map
+back in its own last backward); and that the mode was
 really used (or not: 1 micro-batch, activation recompute). The same switch turns on the scale
 vectors' own gamma once per step (vectors.py ``cache_per_step``): the counts of completed
 vector cycles show it ran, for OR and ER vectors, split or reduced over TP, per expert and
@@ -34,11 +37,12 @@ STEPS = 3  # one step of gradients, then two SGD steps
 def _train(config, strategy, on, n_micro, world_dp, dist_opt, overlap, sv=None):
     from megatron_scalevec.layers import fold_cache
 
-    model = M.build_gpt(config, ScaleVecConfig.from_string(strategy, fold_per_step=on,
-                                                           **(sv or {})))
+    chunks = M.build_gpt_chunks(config, ScaleVecConfig.from_string(
+        strategy, fold_per_step=on, **(sv or {})))  # one chunk but under VPP
+    model = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)  # names: "i.name"
     M.perturb_vectors(model)
     start = {k: p.detach().clone() for k, p in model.named_parameters()}
-    ddp = M.wrap_ddp(model, config, dist_opt, overlap_grad_reduce=overlap)
+    ddp = M.wrap_ddp(chunks, config, dist_opt, overlap_grad_reduce=overlap)
     opt = M.make_optimizer(ddp, dist_opt, lr=0.1, optimizer="sgd")
     data = M.batches(n_micro * world_dp, 2)
     losses = M.train_steps(ddp, config, data, 1)  # gradients of one step, no update
@@ -53,13 +57,15 @@ def _train(config, strategy, on, n_micro, world_dp, dist_opt, overlap, sv=None):
     cached = [m for m in model.modules() if isinstance(m, ScaleVector) and m._step is not None]
     vec_cycles = [fold_cache.completed_cycles(m) + by_layer.get(id(m), 0) for m in cached]
     assert not any(fold_cache.completed_cycles(m) for m in cached if id(m) in by_layer)
+    layer_cycles = [fold_cache.completed_cycles(m) for m in model.modules()
+                    if isinstance(m, ScaleVecTransformerLayer) and layer_vectors(m)]
     return dict(losses=losses, grads=grads, params=params, start=start, cycles=cycles,
-                vec_cycles=vec_cycles)
+                vec_cycles=vec_cycles, layer_cycles=layer_cycles)
 
 
-def _case(rank, world, strategy, *, n_micro, tp=1, ep=1, sp=False, dist_opt=False,
-          overlap=False, config=None, sv=None):
-    init_model_parallel(tp=tp, ep=ep)
+def _case(rank, world, strategy, *, n_micro, tp=1, pp=1, vpp=None, ep=1, sp=False,
+          dist_opt=False, overlap=False, config=None, sv=None):
+    init_model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep)
     from megatron.core import parallel_state as ps
 
     kw = dict(sequence_parallel=sp, **(config or {}))
@@ -74,7 +80,8 @@ def _case(rank, world, strategy, *, n_micro, tp=1, ep=1, sp=False, dist_opt=Fals
         mb["params"], step["params"], rtol=1e-4, tiny=TINY, base=mb["start"])]
     return dict(bad=bad, losses=(step["losses"], mb["losses"]),
                 cycles=(step["cycles"], mb["cycles"]), keys=len(mb["grads"]),
-                vec_cycles=(step["vec_cycles"], mb["vec_cycles"]))
+                vec_cycles=(step["vec_cycles"], mb["vec_cycles"]),
+                layer_cycles=(step["layer_cycles"], mb["layer_cycles"]))
 
 
 CASES = {
@@ -90,6 +97,9 @@ CASES = {
     "moe_grouped_ep2_distopt": dict(world=2, ep=2, dist_opt=True,
                                     config=dict(MOE, moe_grouped_gemm=True)),
     "moe_grouped_tp2_sp": dict(world=2, tp=2, sp=True, config=dict(MOE, moe_grouped_gemm=True)),
+    # 4 layers: 2 per rank; under VPP2 two chunks per rank of 1 layer each (interleaved 1F1B)
+    "dense_pp2": dict(world=2, pp=2, config=dict(num_layers=4)),
+    "dense_pp2_vpp2": dict(world=2, pp=2, vpp=2, config=dict(num_layers=4)),
 }
 
 
@@ -116,14 +126,20 @@ def test_step_fold_equals_micro_batch_fold(case):
 
 def _assert_vectors_cached(case, r):
     """Every vector that opted in completed one cycle per step (its layer's, grouped experts'
-    per-expert norms too); none did with the mode off."""
+    per-expert norms too), and so did every layer that evaluates vectors (all of this rank's
+    layers: 2 per rank in the pipeline cases); none did with the mode off."""
     on, off = r["vec_cycles"]
     assert on and not any(off), r["vec_cycles"]
     assert set(on) == {STEPS}, on
+    on, off = r["layer_cycles"]
+    assert on and set(on) == {STEPS} and not any(off), r["layer_cycles"]
+    if "pp2" in case:
+        assert len(on) == 2, r["layer_cycles"]
 
 
 @pytest.mark.parametrize("case,strategy,sv", [
     ("dense_dp2_distopt_overlap", "hg+dnp+er", None),
+    ("dense_pp2_vpp2", "hg+dnp+er", None),  # ER vectors, chunks interleaved
     ("dense_tp2_sp_overlap", "er", None),  # Pre-Norm gammas reduced over TP (SP)
     ("dense_tp2_sp_overlap", "hg+dnp+er", None),  # split ER over the FFN width
     ("moe_sequential_ep2_distopt_overlap", "hg+dnp+er", None),

@@ -32,12 +32,21 @@ SEQ = 16
 
 
 def tiny_config(**overrides) -> TransformerConfig:
-    """A 2-layer GQA SwiGLU RMSNorm model at the current parallel layout, fusions off."""
+    """A 2-layer GQA SwiGLU RMSNorm model at the current parallel layout (virtual pipeline
+    stages included), fusions off.
+
+    Interleaved at PP2, batched p2p is off: the schedule then sends an activation and a
+    gradient to the one peer (prev == next) in one ``batch_isend_irecv``, and gloo matches the
+    two messages (same tag, same shape) in the other order: activations and gradients
+    silently swapped (the loss moves off the single-process one). The unbatched path puts
+    the two directions on two process groups."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     kw = dict(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=64, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=not (vpp and pp == 2),
         use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
@@ -49,8 +58,10 @@ def tiny_config(**overrides) -> TransformerConfig:
     return TransformerConfig(**kw)
 
 
-def build_gpt(config: TransformerConfig, strategy: Optional[str], seed: int = 7) -> GPTModel:
-    """``strategy=None`` builds megatron-core's own local spec (the stock baseline)."""
+def build_gpt(config: TransformerConfig, strategy: Optional[str], seed: int = 7,
+              vp_stage: Optional[int] = None) -> GPTModel:
+    """``strategy=None`` builds megatron-core's own local spec (the stock baseline);
+    ``vp_stage``: the virtual pipeline stage this chunk is (see :func:`build_gpt_chunks`)."""
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     if strategy is None:
@@ -58,11 +69,28 @@ def build_gpt(config: TransformerConfig, strategy: Optional[str], seed: int = 7)
                                          normalization=config.normalization,
                                          qk_layernorm=config.qk_layernorm)
     else:
-        spec = get_scalevec_block_spec(config, strategy)
+        spec = get_scalevec_block_spec(config, strategy, vp_stage)
+    virtual = vp_stage is not None
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type="rope",
-                    pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage())
+                    pre_process=parallel_state.is_pipeline_first_stage(
+                        ignore_virtual=not virtual, vp_stage=vp_stage),
+                    post_process=parallel_state.is_pipeline_last_stage(
+                        ignore_virtual=not virtual, vp_stage=vp_stage),
+                    vp_stage=vp_stage)
+
+
+def build_gpt_chunks(config: TransformerConfig, strategy: Optional[str],
+                     seed: int = 7) -> list:
+    """This rank's model chunks, one GPTModel per virtual pipeline stage, the list
+    megatron-core's interleaved schedule takes (``[build_gpt(...)]`` without VPP). Each chunk
+    is built with its ``vp_stage``: it holds that stage's layers (at its layer offset) and only
+    the first stage's first chunk embeds, only the last stage's last chunk has the output
+    layer. Chunk i is seeded ``seed + i`` so the chunks' layers differ."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return [build_gpt(config, strategy, seed)]
+    return [build_gpt(config, strategy, seed + i, vp_stage=i) for i in range(vpp)]
 
 
 def _seed_of(name: str) -> int:
@@ -94,9 +122,14 @@ def batches(num: int, micro_batch: int, seed: int = 3) -> list:
 
 def wrap_ddp(model, config, distributed_optimizer: bool = False,
              overlap_grad_reduce: bool = False):
+    """megatron-core DDP around ``model``; a list of chunks gets one DDP per chunk (a list
+    back), bucketing only in the first, as Megatron-LM wraps virtual pipeline chunks."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
         overlap_grad_reduce=overlap_grad_reduce)
+    if isinstance(model, list):
+        return [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
+                for i, m in enumerate(model)]
     return DistributedDataParallel(config, ddp_config, model)
 
 
@@ -107,6 +140,7 @@ def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1
                    optimizer: str = "adam", clip_grad: float = 0.0):
     """megatron-core's optimizer. Layout checks use ``optimizer="sgd"`` (no momentum): its
     update is linear in the gradient, so a wrong gradient scale shows (Adam hides it).
+    ``ddp_model``: one DDP model or a list of chunks (:func:`wrap_ddp`).
     megatron-core's distributed optimizer takes Adam only; there "sgd" is Adam with
     ``beta1 = 0`` and ``eps`` far above every ``|g|``: ``lr g / (|g| + eps) = (lr / eps) g``
     to a relative 1e-4 / eps, i.e. SGD at ``lr``."""
@@ -117,14 +151,18 @@ def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1
     cfg = OptimizerConfig(lr=lr, weight_decay=0.0, bf16=False, fp16=False,
                           use_distributed_optimizer=distributed_optimizer, clip_grad=clip_grad,
                           **kw)
-    return get_megatron_optimizer(cfg, [ddp_model])
+    chunks = ddp_model if isinstance(ddp_model, list) else [ddp_model]
+    return get_megatron_optimizer(cfg, chunks)
 
 
 def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
                 grad_norms: Optional[list] = None) -> list:
     """Run ``steps`` iterations over this data-parallel rank's share of ``data``
     (micro-batches); returns the loss of each step averaged over all ranks' micro-batches.
-    ``grad_norms`` collects the norm each ``optimizer.step()`` returns."""
+    ``grad_norms`` collects the norm each ``optimizer.step()`` returns. ``ddp_model``: one DDP
+    model or a list of virtual pipeline chunks (the interleaved schedule then reads one data
+    iterator per chunk, each over the same micro-batches)."""
+    chunks = ddp_model if isinstance(ddp_model, list) else [ddp_model]
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = data[dp_rank::dp]
@@ -132,10 +170,11 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
     config.finalize_model_grads_func = finalize_model_grads
     losses = []
     for _ in range(steps):
-        ddp_model.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         if optimizer is not None:
             optimizer.zero_grad()
-        it = iter(mine)
+        its = [iter(mine) for _ in chunks]
 
         def step(data_iterator, model):
             b = next(data_iterator)
@@ -143,7 +182,8 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
             return out, lambda t: (t.float().mean(), {"loss": t.float().mean().detach()})
 
         with fold_cache.step(len(mine)):  # as the trainer: the fold once per step
-            res = fwd_bwd(forward_step_func=step, data_iterator=it, model=[ddp_model],
+            res = fwd_bwd(forward_step_func=step, data_iterator=its if len(its) > 1 else its[0],
+                          model=chunks,
                           num_microbatches=len(mine), seq_length=SEQ,
                           micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
         loss = torch.tensor(0.0)
@@ -207,14 +247,28 @@ def zero_grad_step_factors(ddp_model, optimizer) -> dict:
     return {n: (p.detach() / before[n]).mean().item() for n, p in named}
 
 
+def _sharded(model):
+    """A model's sharded state dict; of a list of chunks, one dict keyed by chunk (the
+    checkpoint keys are global, so any chunking loads any other)."""
+    if isinstance(model, list):
+        return {f"chunk{i}": m.sharded_state_dict() for i, m in enumerate(model)}
+    return model.sharded_state_dict()
+
+
 def save_model(model, directory: str) -> None:
+    """``model``: one model or a list of chunks (:func:`build_gpt_chunks`)."""
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), directory)
+    dist_checkpointing.save(_sharded(model), directory)
 
 
 def load_model(model, directory: str) -> None:
-    state = dist_checkpointing.load(model.sharded_state_dict(), directory)
-    model.load_state_dict(state)
+    """``model``: one model or a list of chunks (:func:`build_gpt_chunks`)."""
+    state = dist_checkpointing.load(_sharded(model), directory)
+    if isinstance(model, list):
+        for i, m in enumerate(model):
+            m.load_state_dict(state[f"chunk{i}"])
+    else:
+        model.load_state_dict(state)
 
 
 @torch.no_grad()
