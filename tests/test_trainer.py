@@ -188,3 +188,20 @@ def test_torchrun_two_processes(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert recs[-1]["iteration"] == 6 and recs[-1]["loss"] < recs[0]["loss"]
+
+
+def test_virtual_pipeline_uses_unbatched_p2p(tmp_path):
+    """Under VPP the trainer, as Megatron-LM, sends p2p unbatched: batched, interleaved PP2
+    crosses an activation and a gradient on gloo (tests/test_layouts.py shows the wrong loss);
+    PP2 x VPP2 then trains."""
+    from megatron_scalevec.training.build import transformer_config
+
+    pp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+    plain = parse_args(TINY + pp + ["--run-dir", str(tmp_path / "a")], world_size=2)
+    vpp = parse_args(TINY + pp + ["--virtual-pipeline-model-parallel-size", "2",
+                                  "--run-dir", str(tmp_path / "b")], world_size=2)
+    assert transformer_config(plain, 64).batch_p2p_comm is True
+    assert transformer_config(vpp, 64).batch_p2p_comm is False
+    losses = _run(2, *pp, "--virtual-pipeline-model-parallel-size", "2", "--train-iters", "8",
+                  run_dir=tmp_path / "run")
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
