@@ -331,7 +331,8 @@ def _bench_order(rank, world):
     from megatron_scalevec.testing import models as M
 
     args = bench.build_parser().parse_args(
-        ["--variants", "stock", "shared", "unified", "--num-layers", "1", "--hidden-size", "32",
+        ["--variants", "stock", "shared@eager", "unified@eager", "--num-layers", "1",
+         "--hidden-size", "32",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
          "--seq-length", "16", "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0",
          "--repeats", "3"])
