@@ -132,22 +132,9 @@ class ScaleVector(nn.Module):
         weight folds' ``vectors()`` (a fold is once per step already) and diagnostics."""
         if self._once is not None:
             return self._once
-        kind = self.parameterization
-        if kind is None:
+        if self.parameterization is None:
             return None
-        if kind == "plain":
-            gamma = self.weight.float()
-        elif kind == "or":
-            u = self.direction.float()
-            sq = sharding.all_reduce_sum(u.pow(2).sum(), self.split_group)
-            beta = self._shared_scalar(self.magnitude.float())
-            # sqrt(m) / |u| written as rsqrt(mean(u^2)): exactly 1 at init (u = 1).
-            gamma = beta * u * torch.rsqrt(sq / self.global_size)
-        else:
-            v = self.logit.float()
-            mean = sharding.all_reduce_sum(v.sum(), self.split_group) / self.global_size
-            gamma = torch.exp(self._shared_scalar(self.alpha.float()) + v - mean)
-        return sharding.reduce_grad(gamma, self.grad_group)
+        return _gamma(self, lambda part: getattr(self, part).float())
 
     def _step_gamma(self) -> Optional[torch.Tensor]:
         """fold_cache's cycle with gamma as the "effective weight": weights = this vector's
@@ -163,10 +150,6 @@ class ScaleVector(nn.Module):
                                  _identity_unfold)
         return fold_cache.step_weight(self, ops, scalevec=scalevec, config=config,
                                       safe_recompute=fold_cache.NORM_SAFE_RECOMPUTE)
-
-    def _shared_scalar(self, s: torch.Tensor) -> torch.Tensor:
-        # One scalar for a vector split across ranks: each rank sees part of its gradient.
-        return sharding.reduce_grad(s, self.split_group)
 
     @torch.no_grad()
     def set_from_gamma(self, gamma: torch.Tensor) -> None:
@@ -209,28 +192,32 @@ class ScaleVector(nn.Module):
                 f"parameterization={self.parameterization}, role={self.role}")
 
 
+def _gamma(v0: ScaleVector, part) -> torch.Tensor:
+    """The table in the module doc over the last dim, for one vector ([m] parts, scalars [1])
+    or k alike ones stacked ([k, m], [k, 1]); ``part(name)`` gives the float32 tensor. Norms
+    and means run over the whole logical vector; a split vector's scalar is shared by its
+    ranks, each of which sees part of its gradient (``reduce_grad``)."""
+    kind = v0.parameterization
+    if kind == "plain":
+        gamma = part("weight")
+    elif kind == "or":
+        u = part("direction")
+        sq = sharding.all_reduce_sum(u.pow(2).sum(-1, keepdim=True), v0.split_group)
+        beta = sharding.reduce_grad(part("magnitude"), v0.split_group)
+        # sqrt(m) / |u| written as rsqrt(mean(u^2)): exactly 1 at init (u = 1).
+        gamma = beta * u * torch.rsqrt(sq / v0.global_size)
+    else:
+        v = part("logit")
+        mean = sharding.all_reduce_sum(v.sum(-1, keepdim=True), v0.split_group) / v0.global_size
+        gamma = torch.exp(sharding.reduce_grad(part("alpha"), v0.split_group) + v - mean)
+    return sharding.reduce_grad(gamma, v0.grad_group)
+
+
 def stacked(vectors: list) -> torch.Tensor:
     """[k, m] float32: ``gamma()`` of k alike vectors (:func:`alike`) as one batched
     operation, with the same split statistics and gradient reduction as one by one."""
-    v0 = vectors[0]
-    kind = v0.parameterization
-
-    def stack(part):
-        return torch.stack([getattr(v, part) for v in vectors]).float()
-
-    if kind == "plain":
-        gamma = stack("weight")
-    elif kind == "or":
-        u = stack("direction")  # [k, m]
-        sq = sharding.all_reduce_sum(u.pow(2).sum(-1, keepdim=True), v0.split_group)
-        beta = sharding.reduce_grad(stack("magnitude"), v0.split_group)  # [k, 1]
-        gamma = beta * u * torch.rsqrt(sq / v0.global_size)
-    else:
-        v = stack("logit")
-        mean = sharding.all_reduce_sum(v.sum(-1, keepdim=True), v0.split_group) / v0.global_size
-        alpha = sharding.reduce_grad(stack("alpha"), v0.split_group)
-        gamma = torch.exp(alpha + v - mean)
-    return sharding.reduce_grad(gamma, v0.grad_group)
+    return _gamma(vectors[0], lambda name: torch.stack([getattr(v, name) for v in vectors])
+                  .float())
 
 
 def alike(v: ScaleVector) -> tuple:

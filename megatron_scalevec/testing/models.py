@@ -35,18 +35,18 @@ def tiny_config(**overrides) -> TransformerConfig:
     """A 2-layer GQA SwiGLU RMSNorm model at the current parallel layout (virtual pipeline
     stages included), fusions off.
 
-    Interleaved at PP2, batched p2p is off: the schedule then sends an activation and a
-    gradient to the one peer (prev == next) in one ``batch_isend_irecv``, and gloo matches the
-    two messages (same tag, same shape) in the other order: activations and gradients
-    silently swapped (the loss moves off the single-process one). The unbatched path puts
-    the two directions on two process groups."""
+    Under VPP p2p is unbatched, the trainer's rule (training/build.py, as Megatron-LM):
+    batched, interleaved PP2 sends an activation and a gradient to the one peer (prev == next)
+    in one ``batch_isend_irecv``, and gloo matches the two messages (same tag, same shape) in
+    the other order, silently swapping them. The unbatched path puts the two directions on
+    two process groups."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     kw = dict(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=64, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=not (vpp and pp == 2),
+        virtual_pipeline_model_parallel_size=vpp, batch_p2p_comm=not vpp,
         use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
