@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from megatron_scalevec.bench import saved_activation_bytes
-from megatron_scalevec.layers import fused
+from megatron_scalevec.layers import fused, glu
 from megatron_scalevec.testing import init_model_parallel, run_on_ranks
 from megatron_scalevec.testing import models as M
 
@@ -106,31 +106,54 @@ def test_glu_norm_matches_reference(normalization, gated, act):
     a_g = (1 + 0.3 * torch.randn(12)).requires_grad_()
     a_u = (1 + 0.3 * torch.randn(12)).requires_grad_()
     inputs = (z, a_g, a_u) if gated else (z, a_u)
-    got, ref = _both(lambda: fused.glu_norm(z, a_g if gated else None, a_u, act, gated=gated,
+    got, ref = _both(lambda: glu.glu_norm(z, a_g if gated else None, a_u, act, gated=gated,
                                             normalization=normalization, eps=1e-5),
                      inputs, torch.randn(7, 2, 12))
     for i, (g, r) in enumerate(zip(got, ref)):
         assert _rel(g, r) < TOL, (i, _rel(g, r))
 
 
+# rows per expert: one block; blocks spanning two and three experts, an empty expert, a
+# block-aligned boundary and a partial last block; no rows at all
+EXPERT_COUNTS = [[3, 0, 2, 4], [20, 0, 13, 31, 7], [5, 3, 30, 10], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("counts", EXPERT_COUNTS, ids=str)
+def test_expert_rows_count_every_row_once(counts):
+    """The block sums and the spanning blocks' rows, added into the experts ``keys`` names,
+    give each expert the sum over exactly its own rows."""
+    rows = glu.expert_rows(counts)
+    prod = torch.randn(sum(counts), 5, dtype=torch.float64)
+    a = torch.ones(sum(counts), 5)  # per-row vectors: the expert path
+    summands = glu._vector_grad(prod, a, rows.spans)
+    onehot = (rows.keys[None, :] == torch.arange(len(counts))[:, None]).to(prod.dtype)
+    want = torch.stack([p.sum(0) for p in prod.split(counts)])
+    torch.testing.assert_close(onehot @ summands, want, rtol=1e-12, atol=1e-12)
+    if rows.spans is not None:
+        assert rows.spans.numel() == max(len(counts) - 1, 1) * glu.BLOCK  # one shape per E
+
+
+@pytest.mark.parametrize("counts", EXPERT_COUNTS, ids=str)
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_glu_norm_per_expert_vectors_match_reference(normalization, gated):
-    """Grouped experts: row t uses expert ids[t]'s vectors, and each expert's vector gradient
+def test_glu_norm_per_expert_vectors_match_reference(normalization, gated, counts):
+    """Grouped experts: each row uses its expert's vectors, and each expert's vector gradient
     sums its own rows only (an expert with no rows gets zero)."""
     torch.manual_seed(4)
-    ids = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3, 3])  # expert 1 has no rows
-    z = torch.randn(9, 24 if gated else 12, requires_grad=True)
-    a_g = (1 + 0.3 * torch.randn(4, 12)).requires_grad_()
-    a_u = (1 + 0.3 * torch.randn(4, 12)).requires_grad_()
+    rows, n, e = glu.expert_rows(counts), sum(counts), len(counts)
+    z = torch.randn(n, 24 if gated else 12, requires_grad=True)
+    a_g = (1 + 0.3 * torch.randn(e, 12)).requires_grad_()
+    a_u = (1 + 0.3 * torch.randn(e, 12)).requires_grad_()
     inputs = (z, a_g, a_u) if gated else (z, a_u)
-    got, ref = _both(lambda: fused.glu_norm(z, a_g if gated else None, a_u, F.silu,
-                                            gated=gated, normalization=normalization,
-                                            eps=1e-5, ids=ids),
-                     inputs, torch.randn(9, 12))
+    got, ref = _both(lambda: glu.glu_norm(z, a_g if gated else None, a_u, F.silu,
+                                          gated=gated, normalization=normalization,
+                                          eps=1e-5, experts=rows),
+                     inputs, torch.randn(n, 12))
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert _rel(g, r) < TOL, (i, _rel(g, r))
-    assert float(got[-1][1].abs().max()) == 0.0
+        assert g.shape == r.shape and (g.numel() == 0 or _rel(g, r) < TOL), (i, g.shape)
+    for expert, c in enumerate(counts):
+        if c == 0:
+            assert float(got[-1][expert].abs().max()) == 0.0
 
 
 def test_fused_functions_keep_only_output_and_row_statistics():
@@ -153,7 +176,7 @@ def test_fused_functions_keep_only_output_and_row_statistics():
         + rows
     z = torch.randn(6, 2, 32, requires_grad=True)
     a_u = a.detach().clone().requires_grad_()
-    nbytes = saved_activation_bytes(lambda: fused.glu_norm(
+    nbytes = saved_activation_bytes(lambda: glu.glu_norm(
         z, a, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5))
     assert nbytes == z.nbytes + 2 * a.nbytes + 6 * 2 * 2 * 4  # fc1 output, vectors, 1/rms
 

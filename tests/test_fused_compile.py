@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_scalevec.layers import fused
+from megatron_scalevec.layers import fused, glu
 
 
 @contextlib.contextmanager
@@ -32,7 +32,7 @@ def _grads(fn, inputs, dy):
 
 def _head_and_glu(x, a, rope, z, a_g, a_u):
     h = fused.head_norm(x, a, 1e-5, "RMSNorm", rope)
-    g = fused.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5)
+    g = glu.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5)
     mixed = x.flatten(-2).unsqueeze(-2)  # one group of 2 query heads, k, v
     qkv = fused.qkv_norm(mixed, (a, a, a), 1e-5, "RMSNorm", 2, rope, rope)
     return torch.cat([h.flatten(), g.flatten(), *(t.flatten() for t in qkv)])
@@ -60,26 +60,29 @@ def test_compiled_kernels_match_reference():
 
 
 def test_compiled_per_expert_glu_matches_reference():
-    """The grouped experts' GLU norm (vectors gathered by expert id inside the kernel)."""
-    torch.manual_seed(5)
-    ids = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
-    z = torch.randn(8, 24, requires_grad=True)
-    a_g = (1 + 0.3 * torch.randn(3, 12)).requires_grad_()
-    a_u = (1 + 0.3 * torch.randn(3, 12)).requires_grad_()
-    dy = torch.randn(8, 12)
-
-    def run():
-        return fused.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm",
-                              eps=1e-5, ids=ids)
-
+    """The grouped experts' GLU norm (vectors gathered by expert id inside the kernel, block
+    sums of the vector gradients) at two row counts: the second compiles with dynamic rows,
+    as grouped experts see a different count each micro-batch."""
     fused._COMPILED.clear()
-    with _mode("on"):
-        got = _grads(run, (z, a_g, a_u), dy)
-    assert fused._COMPILED, "nothing was compiled"
-    with fused.reference():
-        ref = _grads(run, (z, a_g, a_u), dy)
-    for name, g, r in zip(("out", "dz", "da_g", "da_u"), got, ref):
-        assert _rel(g, r) < 1e-5, (name, _rel(g, r))
+    for seed, counts in enumerate(([20, 0, 13, 31, 7], [9, 30, 2, 0, 40])):
+        torch.manual_seed(5 + seed)
+        rows, n = glu.expert_rows(counts), sum(counts)
+        z = torch.randn(n, 24, requires_grad=True)
+        a_g = (1 + 0.3 * torch.randn(len(counts), 12)).requires_grad_()
+        a_u = (1 + 0.3 * torch.randn(len(counts), 12)).requires_grad_()
+        dy = torch.randn(n, 12)
+
+        def run(z=z, a_g=a_g, a_u=a_u, rows=rows):
+            return glu.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm",
+                                eps=1e-5, experts=rows)
+
+        with _mode("on"):
+            got = _grads(run, (z, a_g, a_u), dy)
+        assert fused._COMPILED, "nothing was compiled"
+        with fused.reference():
+            ref = _grads(run, (z, a_g, a_u), dy)
+        for name, g, r in zip(("out", "dz", "da_g", "da_u"), got, ref):
+            assert _rel(g, r) < 1e-5, (counts, name, _rel(g, r))
 
 
 def test_auto_falls_back_to_eager_once(monkeypatch):

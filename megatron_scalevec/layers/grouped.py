@@ -9,7 +9,7 @@ rule or a converter sees no difference; only ``forward`` changes. Per forward:
   OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`); once
   per optimizer step when there are several micro-batches (layers/fold_cache.py);
 * ``h = grouped_mm(x, W1_eff)`` over the tokens sorted by expert (``offs`` = cumulative ends);
-* DNP and the GLU in one lean pass (layers/fused.py ``glu_norm`` with per-row vectors): the
+* DNP and the GLU in one lean pass (layers/glu.py ``glu_norm`` with per-row vectors): the
   scale-free norm over each token's FFN width (all-reduced over expert TP when split), its
   expert's output vector, the activation; then the router probabilities,
   ``out = grouped_mm(h, W2)``.
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers import fold_cache, fused
+from megatron_scalevec.layers import fold_cache, glu
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import ScaleVector, stacked
 
@@ -220,16 +220,16 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
             return torch.stack(weights)
         return stacked_forward_weight(self, fc1, weights)
 
-    def _activation(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _activation(self, h: torch.Tensor, rows: glu.ExpertRows) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config
         if experts[0].up_norm is not None:  # DNP: the lean fused GLU norm, per-expert vectors
             gated = cfg.gated_linear_unit
             n0 = experts[0].up_norm
             a_g = stacked_gamma([e.gate_norm for e in experts]) if gated else None
-            return fused.glu_norm(h, a_g, stacked_gamma([e.up_norm for e in experts]),
-                                  cfg.activation_func, gated=gated,
-                                  normalization=n0.normalization, eps=n0.eps,
-                                  group=n0.split_group, width=n0.global_size, ids=ids)
+            return glu.glu_norm(h, a_g, stacked_gamma([e.up_norm for e in experts]),
+                                cfg.activation_func, gated=gated,
+                                normalization=n0.normalization, eps=n0.eps,
+                                group=n0.split_group, width=n0.global_size, experts=rows)
         if not cfg.gated_linear_unit:  # as megatron-core's MLP.forward (unfused)
             return cfg.activation_func(h)
         gate, up = torch.chunk(h, 2, dim=-1)
@@ -250,21 +250,19 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                              f"rows of {self.num_local_experts} local experts")
         ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         offs = ends.to(x.device)
-        ids = torch.repeat_interleave(
-            torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device),
-            output_size=x.shape[0])
+        rows = glu.expert_rows(counts, x.device)
         experts = self.local_experts
         with self.shared_vectors.computed_once() if self.shared_vectors is not None \
                 else contextlib.nullcontext():
             h = grouped_linear(x, self._fc1_weight(), offs)  # [T, G*S*r]
             if experts[0].linear_fc1.bias is not None:
-                h = h + torch.stack([e.linear_fc1.bias for e in experts]).index_select(0, ids)
-            h = self._activation(h, ids)
+                h = h + torch.stack([e.linear_fc1.bias for e in experts]).index_select(0, rows.ids)
+            h = self._activation(h, rows)
         h = (h * probs.unsqueeze(-1)).to(h.dtype)
         w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, h, f]
         out = grouped_linear(h, w2, offs)
         if experts[0].linear_fc2.bias is not None:
-            b2 = torch.stack([e.linear_fc2.bias for e in experts]).index_select(0, ids)
+            b2 = torch.stack([e.linear_fc2.bias for e in experts]).index_select(0, rows.ids)
             out = out + b2 * probs.unsqueeze(-1)
         return out, None
 

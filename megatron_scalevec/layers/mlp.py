@@ -5,7 +5,7 @@
 parallelism that width is split, so its statistics are all-reduced and the result does not
 depend on the layout. Without DNP this class is megatron-core's MLP unchanged (the HG/DP
 vectors live in ``linear_fc1``), fusions included. With DNP the norms, their vectors and the
-GLU run as one function over fc1's output (layers/fused.py), which keeps only that output.
+GLU run as one function over fc1's output (layers/glu.py), which keeps only that output.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron_scalevec import sharding
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import fused
+from megatron_scalevec.layers import glu
 from megatron_scalevec.norms import ScaleVecNorm
 
 
@@ -59,10 +59,10 @@ class ScaleVecMLP(MLP):
             h = h + bias
         gated = self.config.gated_linear_unit
         norm = self.up_norm
-        h = fused.glu_norm(h, self.gate_norm.vector() if gated else None, norm.vector(),
-                           self.config.activation_func, gated=gated,
-                           normalization=norm.normalization, eps=norm.eps,
-                           group=norm.split_group, width=norm.global_size)
+        h = glu.glu_norm(h, self.gate_norm.vector() if gated else None, norm.vector(),
+                         self.config.activation_func, gated=gated,
+                         normalization=norm.normalization, eps=norm.eps,
+                         group=norm.split_group, width=norm.global_size)
         if per_token_scale is not None:
             h = (h * per_token_scale.unsqueeze(-1)).to(h.dtype)
         out, out_bias = self.linear_fc2(h)
