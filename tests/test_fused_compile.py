@@ -59,6 +59,33 @@ def test_compiled_kernels_match_reference():
         assert _rel(g, r) < 1e-5, (name, _rel(g, r))
 
 
+def test_kernels_compile_without_graph_breaks():
+    """Each kernel is one graph under the CPU layer's torch-function mode too (the benchmark
+    runs there): a break splits a kernel into several graphs with eager code between them
+    (Tensor.unflatten did, once)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    torch.manual_seed(3)
+    x = torch.randn(6, 2, 4, 16, requires_grad=True)
+    a = (1 + 0.3 * torch.randn(16)).requires_grad_()
+    f = torch.randn(6, 1, 1, 8)
+    z = torch.randn(6, 2, 24, requires_grad=True)
+    a_g, a_u = torch.ones(12, requires_grad=True), torch.ones(12, requires_grad=True)
+    torch._dynamo.reset()
+    counters.clear()
+    fused._COMPILED.clear()
+    with _mode("on"):
+        for interleaved in (False, True):
+            rope = fused.rope_cos_sin(torch.cat([f, f], -1), 1.0, x.dtype)
+            h = fused.head_norm(x, a, 1e-5, "RMSNorm", rope, interleaved)
+            mixed = x.flatten(-2).unsqueeze(-2)
+            qkv = fused.qkv_norm(mixed, (a, a, a), 1e-5, "LayerNorm", 2, rope, rope, interleaved)
+            g = glu.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5)
+            torch.autograd.backward([h.sum(), *(t.sum() for t in qkv), g.sum()])
+    assert len(fused._COMPILED) >= 5
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_compiled_per_expert_glu_matches_reference():
     """The grouped experts' GLU norm (vectors gathered by expert id inside the kernel, block
     sums of the vector gradients) at two row counts: the second compiles with dynamic rows,

@@ -103,7 +103,7 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     if not interleaved:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
-    pairs = x.unflatten(-1, (-1, 2))
+    pairs = x.view(*x.shape[:-1], -1, 2)
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
 
 
@@ -191,7 +191,7 @@ def head_norm(x, a: Optional[torch.Tensor], eps: float, normalization: str, rope
 def _slots(x, qpg: int):
     """q, k, v of megatron-core's mixed QKV [..., groups, (qpg + 2) * hd] as
     [..., groups, qpg | 1 | 1, hd] views."""
-    x = x.unflatten(-1, (qpg + 2, -1))
+    x = x.view(*x.shape[:-1], qpg + 2, -1)
     return x[..., :qpg, :], x[..., qpg:qpg + 1, :], x[..., qpg + 1:, :]
 
 
@@ -211,7 +211,7 @@ def _qkv_bwd(dq, dk, dv, q, k, v, rq, rk, rv, a_q, a_k, a_v, rope_q, rope_k, lay
     parts = []
     for dy, y, r, a, rope, n in ((dq, q, rq, a_q, rope_q, qpg), (dk, k, rk, a_k, rope_k, 1),
                                  (dv, v, rv, a_v, None, 1)):
-        dy, y = dy.unflatten(-2, (-1, n)), y.unflatten(-2, (-1, n))
+        dy, y = (t.reshape(*t.shape[:-2], -1, n, t.shape[-1]) for t in (dy, y))
         parts.append(_head_bwd(dy, y, r, a, *_per_slot(rope), layer, interleaved))
     dx = torch.cat([d for d, _ in parts], dim=-2).flatten(-2).to(dq.dtype)
     return (dx, *(da for _, da in parts))
