@@ -270,7 +270,7 @@ def _run(args) -> list:
     if args.grouped_gemm and args.num_experts:
         builds += [(f"{n}/grouped", grouped) for n in args.variants if n != "stock"]
     rows = []
-    for name, cfg in builds:
+    for k, (name, cfg) in _build_order(builds, args.instances):
         strategy, compile_mode = parse_variant(name.removesuffix("/grouped"))
         model = M.build_gpt(cfg, strategy)
         if cuda:
@@ -287,9 +287,9 @@ def _run(args) -> list:
         opt = M.make_optimizer(ddp, lr=1e-4, clip_grad=args.clip_grad)
         if not args.cpu_fallbacks:
             multi_tensor_adam(opt)
-        rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
-                         act=act, state=_state_bytes(model), times=[], peak=None,
-                         compile=compile_mode))
+        rows.append(dict(name=name, instance=k, config=cfg, model=model, ddp=ddp, opt=opt,
+                         params=n_params, act=act, state=_state_bytes(model), times=[],
+                         peak=None, compile=compile_mode))
     for _ in range(args.warmup):
         for r in rows:
             fused.set_compile(r["compile"])
@@ -308,10 +308,33 @@ def _run(args) -> list:
                 r["peak"] = torch.cuda.max_memory_allocated()
             r["times"].append(time.perf_counter() - t0)
     fused.set_compile("auto")
+    rows = _merge_instances(rows)
     for r in rows:
         r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
     del parallel_state
     return rows
+
+
+def _build_order(builds: list, instances: int) -> list:
+    """(instance, build) in the order the models are built: every other instance in reverse,
+    so each variant's mean build position is the same. The step time of a model depends on
+    where it was built (on CPU the last-built of four ran 1.5-2% slower than the first:
+    the same model first or last, 0.985x or 1.019x); mirrored instances cancel that."""
+    return [(k, b) for k in range(instances) for b in (builds if k % 2 == 0 else builds[::-1])]
+
+
+def _merge_instances(rows: list) -> list:
+    """One row per variant, first-built order: ``runs`` holds each instance's step times
+    (paired with the same instance of another variant), ``times`` all of them; memory and
+    the fold from the first instance, the peak the largest."""
+    merged: dict = {}
+    for r in rows:
+        m = merged.setdefault(r["name"], dict(r, runs=[], times=[], peak=None))
+        m["runs"].append(r["times"])
+        m["times"] = m["times"] + r["times"]
+        if r["peak"] is not None:
+            m["peak"] = max(m["peak"] or 0, r["peak"])
+    return list(merged.values())
 
 
 def _half_iqr(values) -> float:
@@ -319,9 +342,10 @@ def _half_iqr(values) -> float:
     return (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / 2
 
 
-def paired_ratio(times, base_times):
-    """(median, half interquartile range) over rounds of times[i] / base_times[i]."""
-    q = [t / b for t, b in zip(times, base_times)]
+def paired_ratio(runs, base_runs):
+    """(median, half interquartile range) over rounds and instances of run[i] / base_run[i],
+    each instance's rounds paired with the same instance of the base."""
+    q = [t / b for run, base in zip(runs, base_runs) for t, b in zip(run, base)]
     return statistics.median(q), _half_iqr(q)
 
 
@@ -347,8 +371,8 @@ def report(rows, base_name: str) -> str:
         extra = (r["params"] - base["params"]) / base["params"]
         cells = [r["name"], f"{r['params']:,}", f"{extra:.2e}", f"{m * 1e3:.1f}",
                  f"±{spread * 50:.1f}%"]
-        cells += [f"{paired_ratio(r['times'], by[n]['times'])[0]:.3f}" for n in refs]
-        cells += [f"±{paired_ratio(r['times'], base['times'])[1]:.3f}",
+        cells += [f"{paired_ratio(r['runs'], by[n]['runs'])[0]:.3f}" for n in refs]
+        cells += [f"±{paired_ratio(r['runs'], base['runs'])[1]:.3f}",
                   f"{r['act'] / 2**20:.1f}"]
         cells += [f"{r['act'] / by[n]['act']:.3f}" for n in refs]
         cells += [f"{r['state'] / base['state']:.4f}", f"{100 * r['fold'] / m:.2f}", peak]
@@ -388,6 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient norm, no clipping)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--instances", type=int, default=2,
+                   help="models built per variant, every other set in reverse build order "
+                        "(a model's speed depends on where it was built); all timed in "
+                        "every round")
     return p
 
 
@@ -424,7 +452,8 @@ def main(argv=None) -> None:
     print(f"device={args.device} bf16={args.bf16} threads={torch.get_num_threads()} "
           f"layers={args.num_layers} hidden={args.hidden_size} ffn={args.ffn_hidden_size} "
           f"experts={args.num_experts} seq={args.seq_length} mbs={args.micro_batch_size} "
-          f"micro_batches={args.micro_batches} repeats={args.repeats}")
+          f"micro_batches={args.micro_batches} repeats={args.repeats} "
+          f"instances={args.instances}")
     print(report(rows, args.baseline))
     dist.destroy_process_group()
 

@@ -335,18 +335,36 @@ def _bench_order(rank, world):
          "--hidden-size", "32",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
          "--seq-length", "16", "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0",
-         "--repeats", "3"])
-    order, real = [], M.train_steps
-    M.train_steps = lambda ddp, *a, **k: order.append(ddp) or real(ddp, *a, **k)
+         "--repeats", "3", "--instances", "2"])
+    built, order = [], []
+    real_build, real_wrap, real_train = M.build_gpt, M.wrap_ddp, M.train_steps
+    M.build_gpt = lambda cfg, s, *a, **k: built.append(s and s.hg) or real_build(cfg, s, *a, **k)
+    ddps = []
+    M.wrap_ddp = lambda *a, **k: ddps.append(real_wrap(*a, **k)) or ddps[-1]
+    M.train_steps = lambda ddp, *a, **k: order.append(ddp) or real_train(ddp, *a, **k)
     try:
         rows = bench.run(args)
     finally:
-        M.train_steps = real
-    ids = [[r["ddp"] for r in rows].index(d) for d in order]
-    return ids, [len(r["times"]) for r in rows]
+        M.build_gpt, M.wrap_ddp, M.train_steps = real_build, real_wrap, real_train
+    ids = [ddps.index(d) for d in order]
+    return built, ids, [(r["name"], [len(t) for t in r["runs"]], len(r["times"])) for r in rows]
 
 
-def test_benchmark_rounds_rotate():
-    """Each round starts one variant later: no variant always follows the same one."""
-    ids, counts = run_on_ranks(_bench_order, 1)[0]
-    assert ids == [0, 1, 2, 1, 2, 0, 2, 0, 1] and counts == [3, 3, 3], ids
+def test_benchmark_rounds_rotate_over_mirrored_instances():
+    """Every variant is built twice, the second set in reverse order (a model's speed depends
+    on where it was built); each round starts one model later, so no model always follows the
+    same one; each variant's row pools its two instances."""
+    built, ids, rows = run_on_ranks(_bench_order, 1)[0]
+    assert built == [None, False, True, True, False, None], built  # stock, shared, unified
+    assert ids == [0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 0, 2, 3, 4, 5, 0, 1], ids
+    assert rows == [("stock", [3, 3], 6), ("shared@eager", [3, 3], 6),
+                    ("unified@eager", [3, 3], 6)], rows
+
+
+def test_paired_ratio_pairs_each_instance_with_its_own_base():
+    from megatron_scalevec.bench import paired_ratio  # noqa: PLC0415
+
+    # instance 1 is 3x slower for both; per-round ratios 1.1 1.2 1.0 | 1.1 1.0 1.3 (median of
+    # the medians' ratio: 1.05; instance 0 against the base's instance 1: 1.7)
+    med, spread = paired_ratio([[1.1, 1.2, 1.0], [3.3, 3.0, 3.9]], [[1.0] * 3, [3.0] * 3])
+    assert med == pytest.approx(1.1) and spread == pytest.approx(0.05)
