@@ -28,6 +28,9 @@ multi-tensor kernels, as GPUs do: torch's fused AdamW (:func:`multi_tensor_adam`
 multi-tensor ops for the gradient norm and clipping (:func:`multi_tensor_kernels`);
 ``--cpu-fallbacks`` keeps megatron-core's per-parameter CPU fallbacks. Each round starts one
 variant later than the previous one, so no variant always runs right after the same one.
+Every variant is built ``--instances`` times (default 2), every other set in reverse order,
+and every model is timed in every round: on CPU a model's step time depends on where in the
+sequence it was built, by more than the effects measured here.
 """
 
 from __future__ import annotations
