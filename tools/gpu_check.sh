@@ -52,13 +52,13 @@ VARIANTS="stock shared hg hg+dnp unified"
 timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 \
   --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 5632 \
   --seq-length 2048 --micro-batch-size 2 --micro-batches 2 --vocab 32000 --warmup 3 \
-  --repeats 10 --variants $VARIANTS --baseline stock 2>&1 | tee "$OUT/bench_dense.md"
+  --repeats 10 --instances 1 --variants $VARIANTS --baseline stock 2>&1 | tee "$OUT/bench_dense.md"
 vs_shared < "$OUT/bench_dense.md" | tee "$OUT/bench_dense_vs_shared.md"
 
 # 3. fine-grained MoE: 64 experts, top-8, expert width 3072 / 8 = 384; grouped rows too.
 timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 \
   --hidden-size 1024 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 3072 \
   --num-experts 64 --topk 8 --grouped-gemm --seq-length 2048 --micro-batch-size 2 \
-  --micro-batches 2 --vocab 32000 --warmup 3 --repeats 10 --variants $VARIANTS \
+  --micro-batches 2 --vocab 32000 --warmup 3 --repeats 10 --instances 1 --variants $VARIANTS \
   --baseline stock 2>&1 | tee "$OUT/bench_moe.md"
 vs_shared < "$OUT/bench_moe.md" | tee "$OUT/bench_moe_vs_shared.md"
