@@ -255,3 +255,26 @@ def test_fold_and_dnp_keep_no_weight_or_norm_input():
     assert res["hg@ref"] > res["hg"]  # the autograd fold keeps W_eff
     assert res["unified"] < res["unified@ref"]
     assert res["unified"] <= 1.02 * res["shared"], res
+
+
+def test_kernel_benchmark_prints_every_kernel_and_ratio(capsys):
+    """tools/bench_kernels.py (eager here: compiling its shapes costs more than the test)."""
+    import importlib.util as iu  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_kernels.py")
+    spec = iu.spec_from_file_location("bench_kernels", path)
+    tool = iu.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    saved = fused.compile_mode()
+    try:
+        tool.main(["--rounds", "2", "--calls", "1", "--compile", "off"])
+    finally:
+        fused.set_compile(saved)
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "median" not in line]
+    names = [r[0].strip() for r in rows]
+    assert names == ["glu stock", "glu dnp", "qkv stock", "qkv dnp", "experts stock",
+                     "experts dnp", "experts by row", "experts blocks"], names
+    ratios = [float(r[3]) for r in rows if r[3].strip()]
+    assert len(ratios) == 5 and all(0 < q < 100 for q in ratios), rows
