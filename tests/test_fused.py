@@ -278,3 +278,16 @@ def test_kernel_benchmark_prints_every_kernel_and_ratio(capsys):
                      "experts dnp", "experts by row", "experts blocks"], names
     ratios = [float(r[3]) for r in rows if r[3].strip()]
     assert len(ratios) == 5 and all(0 < q < 100 for q in ratios), rows
+
+
+def test_glu_norm_keeps_widths_static_for_compile():
+    """The GLU norm marks its widths static, forward and backward (dynamo would make every size
+    symbolic once the experts' row count changes, a slower kernel); the rows stay free."""
+    z = torch.randn(6, 24, requires_grad=True)
+    a_g, a_u = torch.ones(12, requires_grad=True), torch.ones(12, requires_grad=True)
+    h = glu.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5)
+    for t in (z, a_g, a_u):
+        assert getattr(t, "_dynamo_static_indices", set()) == {t.dim() - 1}, t.shape
+    dh = torch.randn(6, 12)
+    h.backward(dh)
+    assert getattr(dh, "_dynamo_static_indices", set()) == {1}
