@@ -273,7 +273,7 @@ def _run(args) -> list:
     if args.grouped_gemm and args.num_experts:
         builds += [(f"{n}/grouped", grouped) for n in args.variants if n != "stock"]
     rows = []
-    for k, (name, cfg) in _build_order(builds, args.instances):
+    for name, cfg in _build_order(builds, args.instances):
         strategy, compile_mode = parse_variant(name.removesuffix("/grouped"))
         model = M.build_gpt(cfg, strategy)
         if cuda:
@@ -290,9 +290,9 @@ def _run(args) -> list:
         opt = M.make_optimizer(ddp, lr=1e-4, clip_grad=args.clip_grad)
         if not args.cpu_fallbacks:
             multi_tensor_adam(opt)
-        rows.append(dict(name=name, instance=k, config=cfg, model=model, ddp=ddp, opt=opt,
-                         params=n_params, act=act, state=_state_bytes(model), times=[],
-                         peak=None, compile=compile_mode))
+        rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
+                         act=act, state=_state_bytes(model), times=[], peak=None,
+                         compile=compile_mode))
     for _ in range(args.warmup):
         for r in rows:
             fused.set_compile(r["compile"])
@@ -319,11 +319,11 @@ def _run(args) -> list:
 
 
 def _build_order(builds: list, instances: int) -> list:
-    """(instance, build) in the order the models are built: every other instance in reverse,
+    """The builds in the order the models are built: every other instance in reverse,
     so each variant's mean build position is the same. The step time of a model depends on
     where it was built (on CPU the last-built of four ran 1.5-2% slower than the first:
     the same model first or last, 0.985x or 1.019x); mirrored instances cancel that."""
-    return [(k, b) for k in range(instances) for b in (builds if k % 2 == 0 else builds[::-1])]
+    return [b for k in range(instances) for b in (builds if k % 2 == 0 else builds[::-1])]
 
 
 def _merge_instances(rows: list) -> list:

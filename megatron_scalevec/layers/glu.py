@@ -35,14 +35,15 @@ class ExpertRows(NamedTuple):
     keys: torch.Tensor
 
 
-def expert_rows(counts, device=None) -> ExpertRows:
+def expert_rows(counts, device=None, blocks: bool = True) -> ExpertRows:
     """ExpertRows of ``counts[e]`` rows per expert, in expert order (host counts, as the
-    grouped experts' ``tokens_per_expert``: no device sync)."""
+    grouped experts' ``tokens_per_expert``: no device sync); ``blocks=False``: the ids only
+    (no GLU norm to sum vector gradients for)."""
     n = sum(counts)
     sizes = torch.tensor(counts, dtype=torch.long)
     ids = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes.to(device),
                                   output_size=n)
-    if n == 0:
+    if n == 0 or not blocks:
         return ExpertRows(ids, None, ids)
     ends = sizes.cumsum(0)
     starts = torch.arange(0, n, BLOCK)
@@ -258,8 +259,7 @@ def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, g
     ``experts`` (grouped experts: the rows of each expert, :func:`expert_rows`) ``a_g``,
     ``a_u`` are [E, f], one vector per expert."""
     layer = _layer_norm(normalization)
-    local = z.shape[-1] // (2 if gated else 1)
-    n = width or local * sharding.group_size(group)
+    n = width or _width(z, gated) * sharding.group_size(group)
     ids, spans, keys = experts if experts is not None else (None, None, None)
     if use_reference():
         a_g, a_u = _rows(ids, a_g, a_u)

@@ -250,7 +250,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                              f"rows of {self.num_local_experts} local experts")
         ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         offs = ends.to(x.device)
-        rows = glu.expert_rows(counts, x.device)
+        rows = glu.expert_rows(counts, x.device, blocks=self.local_experts[0].up_norm is not None)
         experts = self.local_experts
         with self.shared_vectors.computed_once() if self.shared_vectors is not None \
                 else contextlib.nullcontext():
