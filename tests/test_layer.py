@@ -54,3 +54,31 @@ def test_layer_holds_its_vectors_for_its_forward(strategy, moe, n):
 def test_reference_path_holds_nothing():
     r = run_on_ranks(_held, 1, "unified", False, True)[0]
     assert r["seen"] == [0] * 4 and r["cycles"] == 0, r
+
+
+def _evaluations(rank, world, strategy, micro_batches):
+    init_model_parallel()
+    from megatron_scalevec import vectors
+
+    config = M.tiny_config(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                           moe_grouped_gemm=True) if strategy == "unified/moe" else M.tiny_config()
+    model = M.build_gpt(config, strategy.split("/")[0])
+    ddp = M.wrap_ddp(model, config)
+    calls = []
+    real = vectors._gamma
+    vectors._gamma = lambda v0, part: calls.append(v0) or real(v0, part)
+    try:
+        M.train_steps(ddp, config, M.batches(micro_batches, 2), 1)
+    finally:
+        vectors._gamma = real
+    return len(calls)
+
+
+@pytest.mark.parametrize("strategy", ["unified", "hg+dnp+er", "unified/moe"])
+def test_vectors_are_evaluated_once_per_step(strategy):
+    """The fold once per step evaluates its vectors in the first micro-batch and maps back
+    through those same tensors in the last one: a 4-micro-batch step evaluates every vector
+    (layer-held ones and the weight folds' inputs) as often as a 1-micro-batch step does."""
+    once = run_on_ranks(_evaluations, 1, strategy, 1)[0]
+    four = run_on_ranks(_evaluations, 1, strategy, 4)[0]
+    assert once > 0 and four == once, (once, four)

@@ -7,10 +7,11 @@ map back) passes over the weight; here a folded layer, over one cycle of n train
 * forward 1 builds W_eff (no autograd) and keeps it with one detached leaf copy;
 * forwards 1..n-1 run their GEMM on that leaf; a hook moves each gradient it receives into an
   fp32 accumulator (so bf16 parameters lose nothing against megatron-core's fp32 main_grad);
-* forward n runs on the output of :class:`_MapBack` (the same W_eff), recomputing the vectors
-  with autograd as usual; its backward adds the accumulator to its own gradient and maps the
-  sum back to W and the vectors once, as autograd gradients: megatron-core's DDP hooks (and
-  ``overlap_grad_reduce``'s bucket readiness) fire in the last micro-batch exactly as before.
+* forward n runs on the output of :class:`_MapBack` (the same W_eff), whose inputs are the
+  vectors forward 1 evaluated with autograd (kept, not evaluated again); its backward adds the
+  accumulator to its own gradient and maps the sum back to W and the vectors once, as autograd
+  gradients: megatron-core's DDP hooks (and ``overlap_grad_reduce``'s bucket readiness) fire
+  in the last micro-batch exactly as before.
 
 Exact because W_eff is fixed within the step. Memory while a step runs: W_eff and an fp32
 accumulator per folded weight (a per-micro-batch fold keeps neither). The same cycle serves the
@@ -142,12 +143,13 @@ class _Cycle:
     def reset(self) -> None:
         self.n = self.seen = self.arrived = 0
         self.w_eff = self.leaf = self.acc = None
+        self.vectors: tuple = ()
         self.versions, self.pending = (), False
         _ACTIVE.discard(self)
 
-    def start(self, n: int, weights: tuple, w_eff: torch.Tensor) -> None:
+    def start(self, n: int, weights: tuple, vectors: tuple, w_eff: torch.Tensor) -> None:
         self.reset()
-        self.n, self.w_eff = n, w_eff
+        self.n, self.w_eff, self.vectors = n, w_eff, vectors
         self.versions = tuple(w._version for w in weights)
         self.leaf = w_eff.detach().requires_grad_()
         self.leaf.register_post_accumulate_grad_hook(self._collect)
@@ -197,14 +199,14 @@ def step_weight(module, ops: FoldOps, *, scalevec=None, config=None,
             return None  # nothing to train through the fold
         with torch.no_grad():
             w_eff = ops.fold(ops.weights, tuple(_detach(v) for v in vectors))
-        cycle.start(n, ops.weights, w_eff)
+        cycle.start(n, ops.weights, vectors, w_eff)
     else:
         cycle.check(n, ops.weights)
     cycle.seen += 1
     if cycle.seen < cycle.n:
         return cycle.leaf
     cycle.seen, cycle.pending = 0, True
-    return _MapBack.apply(cycle, ops.unfold, len(ops.weights), *ops.weights, *ops.vectors())
+    return _MapBack.apply(cycle, ops.unfold, len(ops.weights), *ops.weights, *cycle.vectors)
 
 
 def _detach(t):
