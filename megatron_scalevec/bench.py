@@ -30,7 +30,9 @@ multi-tensor ops for the gradient norm and clipping (:func:`multi_tensor_kernels
 variant later than the previous one, so no variant always runs right after the same one.
 Every variant is built ``--instances`` times (default 2), every other set in reverse order,
 and every model is timed in every round: on CPU a model's step time depends on where in the
-sequence it was built, by more than the effects measured here.
+sequence it was built, by more than the effects measured here. On CPU the process keeps
+the heap memory it frees (megatron_scalevec/heap.py, unless ``--system-malloc``), as torch's
+CUDA caching allocator does; ``faults`` is the median count of minor page faults a step.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import time
 import torch
 
 from megatron_scalevec import ScaleVecConfig
+from megatron_scalevec.heap import minor_faults
 
 DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dnp",
                     "hg+dnp+or", "hg+dnp+er", "unified"]
@@ -291,8 +294,8 @@ def _run(args) -> list:
         if not args.cpu_fallbacks:
             multi_tensor_adam(opt)
         rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
-                         act=act, state=_state_bytes(model), times=[], peak=None,
-                         compile=compile_mode))
+                         act=act, state=_state_bytes(model), times=[], faults=[],
+                         peak=None, compile=compile_mode))
     for _ in range(args.warmup):
         for r in rows:
             fused.set_compile(r["compile"])
@@ -304,12 +307,13 @@ def _run(args) -> list:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
+            f0, t0 = minor_faults(), time.perf_counter()
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
             if cuda:
                 torch.cuda.synchronize()
                 r["peak"] = torch.cuda.max_memory_allocated()
             r["times"].append(time.perf_counter() - t0)
+            r["faults"].append(minor_faults() - f0)
     fused.set_compile("auto")
     rows = _merge_instances(rows)
     for r in rows:
@@ -332,9 +336,10 @@ def _merge_instances(rows: list) -> list:
     the fold from the first instance, the peak the largest."""
     merged: dict = {}
     for r in rows:
-        m = merged.setdefault(r["name"], dict(r, runs=[], times=[], peak=None))
+        m = merged.setdefault(r["name"], dict(r, runs=[], times=[], faults=[], peak=None))
         m["runs"].append(r["times"])
         m["times"] = m["times"] + r["times"]
+        m["faults"] = m["faults"] + r["faults"]
         if r["peak"] is not None:
             m["peak"] = max(m["peak"] or 0, r["peak"])
     return list(merged.values())
@@ -365,7 +370,7 @@ def report(rows, base_name: str) -> str:
     head = ["variant", "params", "+params", "step ms", "spread"]
     head += [f"time/{n}" for n in refs] + [f"± vs {base['name']}", "act MiB"]
     head += [f"act/{n}" for n in refs]
-    head += ["state ratio", "fold %", "peak ratio"]
+    head += ["state ratio", "fold %", "faults", "peak ratio"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = med[r["name"]]
@@ -378,7 +383,8 @@ def report(rows, base_name: str) -> str:
         cells += [f"±{paired_ratio(r['runs'], base['runs'])[1]:.3f}",
                   f"{r['act'] / 2**20:.1f}"]
         cells += [f"{r['act'] / by[n]['act']:.3f}" for n in refs]
-        cells += [f"{r['state'] / base['state']:.4f}", f"{100 * r['fold'] / m:.2f}", peak]
+        cells += [f"{r['state'] / base['state']:.4f}", f"{100 * r['fold'] / m:.2f}",
+                  f"{statistics.median(r['faults']):.0f}", peak]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -419,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models built per variant, every other set in reverse build order "
                         "(a model's speed depends on where it was built); all timed in "
                         "every round")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="CPU: leave glibc's malloc as it is (default: keep freed heap memory, "
+                        "as a caching allocator does; megatron_scalevec/heap.py)")
     return p
 
 
@@ -426,10 +435,14 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    heap = "system"
     if args.device == "cpu":
         from megatron_scalevec.compat.cpu import enable_cpu_compat
+        from megatron_scalevec.heap import keep_freed_memory
 
         enable_cpu_compat()
+        if not args.system_malloc and keep_freed_memory():
+            heap = "kept"
     import os
 
     import torch.distributed as dist
@@ -456,7 +469,7 @@ def main(argv=None) -> None:
           f"layers={args.num_layers} hidden={args.hidden_size} ffn={args.ffn_hidden_size} "
           f"experts={args.num_experts} seq={args.seq_length} mbs={args.micro_batch_size} "
           f"micro_batches={args.micro_batches} repeats={args.repeats} "
-          f"instances={args.instances}")
+          f"instances={args.instances} heap={heap}")
     print(report(rows, args.baseline))
     dist.destroy_process_group()
 

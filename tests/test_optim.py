@@ -347,18 +347,22 @@ def _bench_order(rank, world):
     finally:
         M.build_gpt, M.wrap_ddp, M.train_steps = real_build, real_wrap, real_train
     ids = [ddps.index(d) for d in order]
-    return built, ids, [(r["name"], [len(t) for t in r["runs"]], len(r["times"])) for r in rows]
+    faults = [len(r["faults"]) for r in rows]
+    head = bench.report(rows, "shared@eager").splitlines()[1]
+    return built, ids, [(r["name"], [len(t) for t in r["runs"]], len(r["times"])) for r in rows], \
+        faults, head
 
 
 def test_benchmark_rounds_rotate_over_mirrored_instances():
     """Every variant is built twice, the second set in reverse order (a model's speed depends
     on where it was built); each round starts one model later, so no model always follows the
     same one; each variant's row pools its two instances."""
-    built, ids, rows = run_on_ranks(_bench_order, 1)[0]
+    built, ids, rows, faults, head = run_on_ranks(_bench_order, 1)[0]
     assert built == [None, False, True, True, False, None], built  # stock, shared, unified
     assert ids == [0, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 0, 2, 3, 4, 5, 0, 1], ids
     assert rows == [("stock", [3, 3], 6), ("shared@eager", [3, 3], 6),
                     ("unified@eager", [3, 3], 6)], rows
+    assert faults == [6, 6, 6] and "| faults |" in head, (faults, head)  # one count a step
 
 
 def test_paired_ratio_pairs_each_instance_with_its_own_base():

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
+from megatron_scalevec.heap import keep_freed_memory
 from megatron_scalevec.layers import fused, glu
 
 
@@ -89,6 +90,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     fused.set_compile(args.compile)
+    keep_freed_memory()  # as tools/bench_overhead.py: no page faults from glibc's trimming
     # the benchmark's model: seq 256 x micro-batch 4 tokens, ffn 704 (experts: top-2 of 4,
     # width 352), 8 heads of 32 in 4 groups
     cases = {**_glu_cases("glu", 1024, 704, 1), **_qkv_cases(256, 4, 4, 2, 32),
