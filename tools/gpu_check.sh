@@ -29,17 +29,18 @@ m.__version__)" | tee -a "$OUT/gpu.txt"
 # Adds "vs shared" columns (step time, peak memory) to a bench table whose baseline is stock.
 vs_shared() {
   awk -F'|' '
-    /^\| / && $2 !~ /variant|---/ { n++; name[n]=$2; med[n]=$5+0; peak[n]=$11+0; line[n]=$0 }
+    /^\| variant/ { for (j = 2; j < NF; j++) { h = $j; gsub(/^ +| +$/, "", h); col[h] = j }; next }
+    /^\| / && $2 !~ /---/ { n++; name[n] = $2; med[n] = $(col["step ms"]) + 0
+                            tstock[n] = $(col["time/stock"]); peak[n] = $(col["peak ratio"]) + 0 }
     { if (!/^\|/) print }
     END {
       for (i = 1; i <= n; i++) if (name[i] ~ /^ shared $/) { s = med[i]; p = peak[i] }
       print "| variant | step ms | time vs stock | time vs shared | peak vs stock | peak vs shared |"
       print "|---|---|---|---|---|---|"
-      for (i = 1; i <= n; i++) {
-        split(line[i], f, "|")
-        printf "|%s| %.1f |%s| %.3f |%s| %s |\n", name[i], med[i], f[7], med[i] / s, f[11],
+      for (i = 1; i <= n; i++)
+        printf "|%s| %.1f |%s| %.3f | %s | %s |\n", name[i], med[i], tstock[i], med[i] / s,
+               (peak[i] > 0) ? sprintf("%.3f", peak[i]) : "n/a",
                (p > 0 && peak[i] > 0) ? sprintf("%.3f", peak[i] / p) : "n/a"
-      }
     }'
 }
 
