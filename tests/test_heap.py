@@ -1,6 +1,8 @@
 """The benchmark's CPU heap keeps what it frees (megatron_scalevec/heap.py), as a caching
 allocator does: a step that allocates again what the previous one freed faults no pages in.
-Each case runs in a fresh process (the heap's state is the process's history)."""
+It runs in a fresh process (the heap's state is the process's history). glibc's own choice to
+give the memory back varies from one process to the next (seen: 0 or 32,738 faults for the
+same script), which is why the benchmark pins it and why only the kept side is asserted."""
 
 import subprocess
 import sys
@@ -10,27 +12,26 @@ import pytest
 _STEPS = """
 import sys, torch
 from megatron_scalevec import heap
-kept = heap.keep_freed_memory() if sys.argv[1] == "kept" else None
-for step in range(3):  # a 'step': 64 MiB in 1 MiB tensors, written, then all freed
+# glibc's dynamic thresholds rise to their largest once a ~32 MiB mapped block is freed (an
+# import may do that); then only more than 64 MiB free at the heap's top may be given back
+big = torch.ones(8 * 2**20 - 1024)
+del big
+kept = heap.keep_freed_memory()
+faults = []
+for step in range(4):  # a 'step': 160 MiB in 1 MiB tensors, written, then all freed
     before = heap.minor_faults()
-    blocks = [torch.ones(2**18) for _ in range(64)]
+    blocks = [torch.ones(2**18) for _ in range(160)]
     del blocks
-    faults = heap.minor_faults() - before
-print(kept, faults)
+    faults.append(heap.minor_faults() - before)
+print(kept, *faults)
 """
 
 
-def _third_step_faults(mode):
-    out = subprocess.run([sys.executable, "-c", _STEPS, mode], capture_output=True, text=True,
-                         check=True).stdout.split()
-    return out[0], int(out[1])
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_kept_heap_refaults_nothing_that_system_malloc_refaults():
-    kept, kept_faults = _third_step_faults("kept")
-    _, system_faults = _third_step_faults("system")
+def test_kept_heap_refaults_nothing():
+    out = subprocess.run([sys.executable, "-c", _STEPS], capture_output=True, text=True,
+                         check=True).stdout.split()
+    kept, faults = out[0], [int(f) for f in out[1:]]
     assert kept == "True"
-    # 64 MiB = 16,384 pages: glibc gives the freed top of its heap back and faults it in again
-    assert system_faults > 8000, system_faults
-    assert kept_faults < 1000, kept_faults
+    # 160 MiB = 40,960 pages a step; given back and faulted in again, a step would fault them
+    assert faults[0] > 20000 and max(faults[1:]) < 2000, faults
