@@ -4,11 +4,12 @@ Within an optimizer step W and the vectors are fixed, so ``W_eff = diag(a) W dia
 the same in every micro-batch. Folding per micro-batch costs n x (fold, rebuild in backward,
 map back) passes over the weight; here a folded layer, over one cycle of n training forwards:
 
-* forward 1 builds W_eff (no autograd) and keeps it with one detached leaf copy;
+* forward 1 evaluates the vectors (with autograd: their small graph is kept for forward n),
+  builds W_eff from them (no autograd) and keeps it with one detached leaf copy;
 * forwards 1..n-1 run their GEMM on that leaf; a hook moves each gradient it receives into an
   fp32 accumulator (so bf16 parameters lose nothing against megatron-core's fp32 main_grad);
 * forward n runs on the output of :class:`_MapBack` (the same W_eff), whose inputs are the
-  vectors forward 1 evaluated with autograd (kept, not evaluated again); its backward adds the
+  vectors forward 1 evaluated (not evaluated again); its backward adds the
   accumulator to its own gradient and maps the sum back to W and the vectors once, as autograd
   gradients: megatron-core's DDP hooks (and ``overlap_grad_reduce``'s bucket readiness) fire
   in the last micro-batch exactly as before.
