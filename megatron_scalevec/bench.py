@@ -46,7 +46,7 @@ import time
 import torch
 
 from megatron_scalevec import ScaleVecConfig
-from megatron_scalevec.heap import minor_faults
+from megatron_scalevec.heap import keep_freed_memory, minor_faults
 
 DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dnp",
                     "hg+dnp+or", "hg+dnp+er", "unified"]
@@ -438,7 +438,6 @@ def main(argv=None) -> None:
     heap = "system"
     if args.device == "cpu":
         from megatron_scalevec.compat.cpu import enable_cpu_compat
-        from megatron_scalevec.heap import keep_freed_memory
 
         enable_cpu_compat()
         if not args.system_malloc and keep_freed_memory():

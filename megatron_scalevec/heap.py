@@ -4,11 +4,12 @@ glibc gives freed memory at the top of its heap back to the system once more tha
 ``M_TRIM_THRESHOLD`` of it is free, and serves large blocks with ``mmap``; both thresholds
 move with the process's history. A training step frees most of what it allocated, so the
 next one may fault its pages in again, and how many depends on that history, not on what the
-model computes: on the overhead benchmark (hidden 512, 4 micro-batches) one process's steps
-faulted 0 to 50,000 pages (up to 200 MB zeroed by the kernel), by variant and from one run to
-the next. On a GPU the caching allocator keeps freed blocks, and the benchmark should measure
-the same: :func:`keep_freed_memory` raises the trim threshold to 2 GiB and pins the mmap
-threshold at glibc's largest (32 MiB), after which a steady step faults close to nothing.
+model computes: on the overhead benchmark at hidden 512 (``--system-malloc``) a step faulted
+15,000 to 60,000 pages in (up to 240 MB zeroed by the kernel) by variant, and one variant's
+counts changed from one process to the next. On a GPU the caching allocator keeps freed
+blocks, and the benchmark should measure the same: :func:`keep_freed_memory` raises the
+trim threshold to 2 GiB and pins the mmap threshold at glibc's largest (32 MiB), after which
+a steady step faults close to nothing.
 """
 
 from __future__ import annotations

@@ -32,11 +32,6 @@ def _glu_cases(label, rows, width, experts):
     z = torch.randn(rows, 2 * width, requires_grad=True)
     dh = torch.randn(rows, width)
     a = [(1 + 0.1 * torch.randn(width)).requires_grad_() for _ in range(2)]
-    counts = [rows // experts] * experts
-    counts[-1] += rows - sum(counts)
-    per_expert = [(1 + 0.1 * torch.randn(experts, width)).requires_grad_() for _ in range(2)]
-    blocks = glu.expert_rows(counts)
-    by_row = glu.ExpertRows(blocks.ids, None, blocks.ids)
 
     def stock():
         gate, up = z.chunk(2, -1)
@@ -51,6 +46,11 @@ def _glu_cases(label, rows, width, experts):
 
     cases = {f"{label} stock": stock, f"{label} dnp": dnp(a)}
     if experts > 1:
+        counts = [rows // experts] * experts
+        counts[-1] += rows - sum(counts)
+        per_expert = [(1 + 0.1 * torch.randn(experts, width)).requires_grad_() for _ in range(2)]
+        blocks = glu.expert_rows(counts)
+        by_row = glu.ExpertRows(blocks.ids, None, blocks.ids)
         cases.update({f"{label} by row": dnp(per_expert, by_row),
                       f"{label} blocks": dnp(per_expert, blocks)})
     return cases
