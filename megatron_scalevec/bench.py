@@ -21,7 +21,8 @@ micro-batch, or ``@mbfold``).
 A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / ``activation``
 (ScaleVecConfig.apply_mode), ``compile`` / ``eager`` (the fused DNP kernels through
 torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails) and
-``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch).
+``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch). ``--null`` times the
+baseline twice (:func:`null_builds`): the run's noise floor, printed above the table.
 
 Every variant runs the same megatron-core optimizer (clipping at ``--clip-grad``) on
 multi-tensor kernels, as GPUs do: torch's fused AdamW (:func:`multi_tensor_adam`) and torch's
@@ -275,9 +276,10 @@ def _run(args) -> list:
     builds = [(name, config) for name in args.variants]
     if args.grouped_gemm and args.num_experts:
         builds += [(f"{n}/grouped", grouped) for n in args.variants if n != "stock"]
+    builds += null_builds(builds, args.baseline) if args.null else []
     rows = []
     for name, cfg in _build_order(builds, args.instances):
-        strategy, compile_mode = parse_variant(name.removesuffix("/grouped"))
+        strategy, compile_mode = parse_variant(name.removesuffix(NULL).removesuffix("/grouped"))
         model = M.build_gpt(cfg, strategy)
         if cuda:
             model = model.cuda()
@@ -320,6 +322,21 @@ def _run(args) -> list:
         r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
     del parallel_state
     return rows
+
+
+NULL = "#null"
+
+
+def null_builds(builds: list, baseline: str) -> list:
+    """``--null``: the baseline once more, built and timed as a variant of its own (row
+    ``BASELINE#null``). It computes exactly what the baseline does, so its ratio to the
+    baseline is this run's noise floor: a ratio that differs from 1 by less than that is not
+    resolved by the run."""
+    base = [(name + NULL, cfg) for name, cfg in builds if name == baseline]
+    if not base:
+        raise ValueError(f"--null: the baseline {baseline!r} is not among the variants "
+                         f"{[name for name, _ in builds]}")
+    return base
 
 
 def _build_order(builds: list, instances: int) -> list:
@@ -367,6 +384,11 @@ def report(rows, base_name: str) -> str:
     med = {r["name"]: statistics.median(r["times"]) for r in rows}
     base = by[base_name] if base_name in by else by[refs[0]]
     lines = [f"baseline: {base['name']} median step {med[base['name']] * 1e3:.1f} ms"]
+    null = by.get(base["name"] + NULL)
+    if null is not None:
+        floor, spread = paired_ratio(null["runs"], base["runs"])
+        lines.append(f"noise floor: {null['name']} (the baseline built again) {floor:.3f}x "
+                     f"(±{spread:.3f}) of {base['name']}")
     head = ["variant", "params", "+params", "step ms", "spread"]
     head += [f"time/{n}" for n in refs] + [f"± vs {base['name']}", "act MiB"]
     head += [f"act/{n}" for n in refs]
@@ -419,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-grad", type=float, default=1.0,
                    help="megatron-core's clip_grad (default 1.0, as the trainer; 0: no "
                         "gradient norm, no clipping)")
+    p.add_argument("--null", action="store_true",
+                   help="also build and time the baseline a second time (row BASELINE#null): "
+                        "its ratio to the baseline is the run's noise floor")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--instances", type=int, default=2,

@@ -372,3 +372,32 @@ def test_paired_ratio_pairs_each_instance_with_its_own_base():
     # the medians' ratio: 1.05; instance 0 against the base's instance 1: 1.7)
     med, spread = paired_ratio([[1.1, 1.2, 1.0], [3.3, 3.0, 3.9]], [[1.0] * 3, [3.0] * 3])
     assert med == pytest.approx(1.1) and spread == pytest.approx(0.05)
+
+
+def _bench_null(rank, world):
+    init_model_parallel()
+    from megatron_scalevec import bench
+
+    args = bench.build_parser().parse_args(
+        ["--variants", "shared@eager", "unified@eager", "--baseline", "shared@eager", "--null",
+         "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
+         "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0", "--repeats", "2",
+         "--instances", "1"])
+    rows = bench.run(args)
+    base, null = ([p.detach() for p in r["model"].parameters()] for r in (rows[0], rows[-1]))
+    same = len(base) == len(null) and all(a.equal(b) for a, b in zip(base, null))
+    return [r["name"] for r in rows], same, bench.report(rows, "shared@eager").splitlines()[1]
+
+
+def test_benchmark_null_row_is_the_baseline_again():
+    """--null builds the baseline a second time (its own row, the same model: the same
+    parameters after the same steps) and prints its ratio to the baseline: the noise floor."""
+    names, same, line = run_on_ranks(_bench_null, 1)[0]
+    assert names == ["shared@eager", "unified@eager", "shared@eager#null"], names
+    assert same  # the last row (the null one) trained exactly as the baseline
+    assert line.startswith("noise floor: shared@eager#null (the baseline built again)"), line
+    from megatron_scalevec.bench import null_builds  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="--null: the baseline 'stock' is not among"):
+        null_builds([("shared", None)], "stock")
