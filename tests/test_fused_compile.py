@@ -147,3 +147,48 @@ def test_bad_mode_is_one_clear_error(monkeypatch):
     monkeypatch.setitem(fused._STATE, "compile", "fast")  # as from the environment
     with pytest.raises(ValueError, match="MEGATRON_SCALEVEC_FUSED_COMPILE"):
         fused.head_norm(torch.randn(2, 4), None, 1e-5, "RMSNorm")
+
+
+def test_compiled_fold_maps_match_eager():
+    """The weight folds' maps back (a linear's, the grouped experts' batched one) and the
+    batched fold, compiled with static shapes, equal their eager bodies at two layouts each
+    (a model has a few weight shapes), in one graph each."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    from megatron_scalevec.layers import grouped, linear  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    counters.clear()
+    fused._COMPILED.clear()
+    for seed, (experts, rows, width) in enumerate(((3, 24, 16), (2, 8, 32))):
+        torch.manual_seed(seed)
+        ws = tuple(torch.randn(2 * rows, width) for _ in range(experts))
+        col, row = torch.rand(experts, 2, width) + 0.5, torch.rand(experts, 2, rows) + 0.5
+        g = torch.randn(experts, 2 * rows, width)
+        layout = (2, 3, rows // 2)  # linear: 2 groups of 3 slots
+        lw, lg = torch.randn(2, 6 * (rows // 2), width).unbind(0)
+        lrow, lcol = torch.rand(3, rows // 2) + 0.5, torch.rand(3, width) + 0.5
+        fc1 = _View(rows)
+        cases = [  # (compiled, eager, arguments)
+            (grouped.stacked_fold_backward, grouped._stacked_fold_backward,
+             (g, ws, col, row, 1, (True, True))),
+            (linear.fold_backward, linear._fold_backward,
+             (lg, lw, lrow, lcol, layout, (True,) * 3)),
+            (lambda *a: (grouped.stacked_fold_ops(a[2], a[0]).fold(*a[:2]),),
+             lambda *a: (grouped.stacked_fold(a[0], *a[1], 1),), (ws, (col, row), fc1))]
+        for compiled, eager, args in cases:
+            with _mode("on"):
+                got = compiled(*args)
+            ref = eager(*args)
+            assert len(got) == len(ref)
+            for a, b in zip(got, ref):
+                assert _rel(a, b) < 1e-5, (seed, _rel(a, b))
+    assert len(fused._COMPILED) == 3, list(fused._COMPILED)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+class _View:
+    """The fc1 layout stacked_fold_ops reads (one group, gate and up slots)."""
+
+    def __init__(self, rows):
+        self.groups, self.slots, self.rows = 1, ["gate", "up"], rows

@@ -61,13 +61,15 @@ def use_reference() -> bool:
     return _STATE["reference"]
 
 
-def _kernel(fn, x: torch.Tensor):
+def _kernel(fn, x: torch.Tensor, dynamic: Optional[bool] = None):
+    """``fn`` compiled (or not) as set_compile says; ``dynamic=False`` for functions whose
+    shapes are the weights' (a few per model), never a token count."""
     mode = _STATE["compile"]
     _check_mode(mode, f"{_ENV} / fused compile mode")
     if mode == "off" or (mode == "auto" and _STATE["broken"]):
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = _guarded(fn, torch.compile(fn, dynamic=None))
+        _COMPILED[fn] = _guarded(fn, torch.compile(fn, dynamic=dynamic))
     return _COMPILED[fn]
 
 

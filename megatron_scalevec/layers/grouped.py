@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers import fold_cache, glu
+from megatron_scalevec.layers import fold_cache, fused, glu
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import ScaleVector, stacked
 
@@ -115,7 +115,13 @@ def stacked_fold(weights, col, row, groups) -> torch.Tensor:
 
 def stacked_fold_backward(grad, weights, col, row, groups, needs) -> tuple:
     """Gradients of (col, row, *weights) from dL/dW_eff [E, out, in] (``needs``: which);
-    the weights' in their dtype (``grad`` may be an fp32 accumulation)."""
+    the weights' in their dtype (``grad`` may be an fp32 accumulation). Compiled as
+    layers/fused.py's kernels, with the weights' static shapes (one pass, not one a product)."""
+    return fused._kernel(_stacked_fold_backward, grad, dynamic=False)(
+        grad, tuple(weights), col, row, groups, needs)
+
+
+def _stacked_fold_backward(grad, weights, col, row, groups, needs) -> tuple:
     d = grad.reshape(len(weights), *_stacked_layout(col, row, groups, weights))
     dw = (d * _fold_scale(col, row, d.dtype)).view_as(grad).to(weights[0].dtype)
     dcol = drow = None
@@ -159,8 +165,10 @@ def stacked_fold_ops(fc1, weights) -> fold_cache.FoldOps:
         dcol, drow, *dw = stacked_fold_backward(g, ws, vs[0], vs[1], groups, needs[-2:])
         return (*dw, dcol, drow)
 
-    return fold_cache.FoldOps(weights, vectors,
-                              lambda ws, vs: stacked_fold(ws, vs[0], vs[1], groups), unfold)
+    def fold(ws, vs):  # once per step, without autograd: compiled (stack and scale, one pass)
+        return fused._kernel(stacked_fold, ws[0], dynamic=False)(ws, vs[0], vs[1], groups)
+
+    return fold_cache.FoldOps(weights, vectors, fold, unfold)
 
 
 def stacked_forward_weight(module, fc1, weights) -> torch.Tensor:

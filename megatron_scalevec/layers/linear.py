@@ -79,7 +79,13 @@ def fold_weight(weight, row, col, layout) -> torch.Tensor:
 def fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:
     """(dW, d row, d col) from G = dL/dW_eff [out, in] (``needs``: which of the three):
     dW = G * scale, d col[s, j] = sum_{g,i} G W row[s, i], d row[s, i] = sum_{g,j} G W col[s, j].
-    dW in W's dtype; G may be an fp32 accumulation."""
+    dW in W's dtype; G may be an fp32 accumulation. Compiled as layers/fused.py's kernels
+    (one pass over G and W instead of one per product; static shapes: the weight's)."""
+    return fused._kernel(_fold_backward, g_eff, dynamic=False)(g_eff, weight, row, col,
+                                                               layout, needs)
+
+
+def _fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:
     d_w = fold_weight(g_eff, row, col, layout).to(weight.dtype) if needs[0] else None
     d_row = d_col = None
     if (row is not None and needs[1]) or (col is not None and needs[2]):
