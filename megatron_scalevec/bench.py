@@ -25,10 +25,10 @@ torch.compile, or not; default: what the trainer does, compiled, eager if compil
 baseline twice (:func:`null_builds`): the run's noise floor, printed above the table.
 
 Every variant runs the same megatron-core optimizer (clipping at ``--clip-grad``) on
-multi-tensor kernels, as GPUs do: torch's fused AdamW (:func:`multi_tensor_adam`) and torch's
-multi-tensor ops for the gradient norm and clipping (:func:`multi_tensor_kernels`);
-``--cpu-fallbacks`` keeps megatron-core's per-parameter CPU fallbacks. Each round starts one
-variant later than the previous one, so no variant always runs right after the same one.
+multi-tensor kernels, as GPUs do: torch's fused AdamW and torch's multi-tensor ops for the
+gradient norm and clipping (megatron_scalevec/multi_tensor.py); ``--cpu-fallbacks`` keeps
+megatron-core's per-parameter CPU fallbacks. Each round starts one variant later than the
+previous one, so no variant always runs right after the same one.
 Every variant is built ``--instances`` times (default 2), every other set in reverse order,
 and every model is timed in every round: on CPU a model's step time depends on where in the
 sequence it was built, by more than the effects measured here. On CPU the process keeps
@@ -48,6 +48,10 @@ import torch
 
 from megatron_scalevec import ScaleVecConfig
 from megatron_scalevec.heap import keep_freed_memory, minor_faults
+from megatron_scalevec.multi_tensor import multi_tensor_adam, multi_tensor_kernels
+
+__all__ = ["main", "multi_tensor_adam", "multi_tensor_kernels", "null_builds",
+           "paired_ratio", "parse_variant", "report", "run", "saved_activation_bytes"]
 
 DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dnp",
                     "hg+dnp+or", "hg+dnp+er", "unified"]
@@ -156,85 +160,6 @@ def fold_seconds(model, cuda: bool, micro_batches: int, repeats: int = 5) -> flo
     return statistics.median(times)
 
 
-def _fusable(group, state) -> bool:
-    """torch has a fused Adam kernel for every parameter of the group, none has state yet."""
-    try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices as devices
-    except ImportError:  # older torch: keep foreach
-        return False
-    ok = set(devices())
-    return not group.get("differentiable") and all(
-        p.is_floating_point() and p.device.type in ok and not state.get(p)
-        for p in group["params"])
-
-
-def multi_tensor_adam(optimizer, fused: bool = True) -> int:
-    """Switch torch's Adam/AdamW under megatron-core's optimizer to a multi-tensor form: its
-    fused kernel where torch has one (``fused=True``, ``foreach`` off, as torch requires),
-    else ``foreach``; returns how many optimizers were switched. Without TE or apex
-    megatron-core falls back to torch's AdamW, which on CPU loops over the parameters in
-    Python (``foreach`` still takes two host syncs per parameter); on GPU megatron-core runs a
-    fused multi-tensor Adam. The loop would charge a strategy's tiny extra parameters (an OR
-    magnitude per vector, per expert) a cost GPUs do not pay."""
-    switched = 0
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(opt, "optimizer", None)
-        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            for group in inner.param_groups:
-                use_fused = fused and _fusable(group, inner.state)
-                group["fused"], group["foreach"] = use_fused, not use_fused
-            switched += 1
-    return switched
-
-
-def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """megatron-core's ``l2_norm_impl`` on torch's multi-tensor norm: (the total L2 norm as a
-    1-element fp32 tensor on the tensors' device, the per-tensor norms or None)."""
-    tensors = [t for tl in tensor_lists for t in tl]
-    if not tensors:
-        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
-    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    return torch.linalg.vector_norm(norms).reshape(1), norms if per_tensor else None
-
-
-def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """megatron-core's ``multi_tensor_scale_impl`` (dst = src * scale) on torch's multi-tensor
-    ops; in place when src and dst are the same list (clipping)."""
-    src, dst = tensor_lists[0], tensor_lists[1]
-    if src is dst:
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
-
-
-@contextlib.contextmanager
-def multi_tensor_kernels():
-    """While active, megatron-core's local fallbacks of the multi-tensor L2 norm and scale
-    (gradient norm, clipping, fp16 main-param copies) run on torch's multi-tensor ops; yields
-    how many bindings were replaced. GPUs run these as fused multi-tensor kernels (TE or apex);
-    the fallbacks, one op and a host float per tensor, would charge many tiny parameters a
-    cost GPUs do not pay. Bindings to TE or apex kernels are left alone."""
-    import importlib
-
-    from megatron.core import utils
-
-    stand_ins = {utils.local_multi_tensor_l2_norm: _foreach_l2_norm,
-                 utils.local_multi_tensor_scale: _foreach_scale}
-    saved = []
-    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
-        module = importlib.import_module(name)
-        for attr in ("l2_norm_impl", "multi_tensor_scale_impl"):
-            fn = getattr(module, attr, None)
-            if fn in stand_ins:
-                saved.append((module, attr, fn))
-                setattr(module, attr, stand_ins[fn])
-    try:
-        yield len(saved)
-    finally:
-        for module, attr, fn in reversed(saved):
-            setattr(module, attr, fn)
-
-
 def model_config(args):
     """The benchmark model's TransformerConfig (one place to add model or expert options)."""
     from megatron_scalevec.testing import models as M
@@ -302,6 +227,19 @@ def _run(args) -> list:
         for r in rows:
             fused.set_compile(r["compile"])
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
+    _time_rounds(rows, args, data, cuda)
+    fused.set_compile("auto")
+    rows = _merge_instances(rows)
+    for r in rows:
+        r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
+    del parallel_state
+    return rows
+
+
+def _time_rounds(rows: list, args, data, cuda: bool) -> None:
+    from megatron_scalevec.layers import fused
+    from megatron_scalevec.testing import models as M
+
     for i in range(args.repeats):
         # Each round starts one variant later: none always runs right after the same one.
         for r in rows[i % len(rows):] + rows[:i % len(rows)]:
@@ -316,12 +254,6 @@ def _run(args) -> list:
                 r["peak"] = torch.cuda.max_memory_allocated()
             r["times"].append(time.perf_counter() - t0)
             r["faults"].append(minor_faults() - f0)
-    fused.set_compile("auto")
-    rows = _merge_instances(rows)
-    for r in rows:
-        r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
-    del parallel_state
-    return rows
 
 
 NULL = "#null"

@@ -303,7 +303,7 @@ def test_benchmark_stand_ins_match_megatron_local_fallbacks():
         local_multi_tensor_scale,
     )
 
-    from megatron_scalevec.bench import _foreach_l2_norm, _foreach_scale
+    from megatron_scalevec.multi_tensor import _foreach_l2_norm, _foreach_scale
 
     gen = torch.Generator().manual_seed(0)
     ts = [torch.randn(shape, generator=gen) for shape in ((7,), (3, 5), (2, 3, 4), (1,))]
