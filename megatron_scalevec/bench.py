@@ -223,15 +223,17 @@ def _run(args) -> list:
         rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
                          act=act, state=_state_bytes(model), times=[], faults=[],
                          peak=None, compile=compile_mode))
+    saved_mode = fused.compile_mode()
     for _ in range(args.warmup):
         for r in rows:
             fused.set_compile(r["compile"])
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
     _time_rounds(rows, args, data, cuda)
-    fused.set_compile("auto")
     rows = _merge_instances(rows)
-    for r in rows:
+    for r in rows:  # the fold as the variant trained it: compiled, or eager (@eager)
+        fused.set_compile(r["compile"])
         r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
+    fused.set_compile(saved_mode)
     del parallel_state
     return rows
 
