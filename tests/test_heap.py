@@ -35,5 +35,7 @@ def test_kept_heap_refaults_nothing():
                          check=True, cwd=root).stdout.split()
     kept, faults = out[0], [int(f) for f in out[1:]]
     assert kept == "True"
-    # 160 MiB = 40,960 pages a step; given back and faulted in again, a step would fault them
-    assert faults[0] > 20000 and max(faults[1:]) < 2000, faults
+    # 160 MiB = 40,960 pages a step; given back and faulted in again, a step faults them all
+    # (about 35,000 seen). Kept, a later step faults a few (0-2,307 seen: the second step may
+    # still place some blocks anew), so the bound is a quarter of a step.
+    assert faults[0] > 20000 and max(faults[1:]) < 10000, faults
