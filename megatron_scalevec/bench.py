@@ -228,20 +228,6 @@ def _run(args) -> list:
         for r in rows:
             fused.set_compile(r["compile"])
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
-    _time_rounds(rows, args, data, cuda)
-    rows = _merge_instances(rows)
-    for r in rows:  # the fold as the variant trained it: compiled, or eager (@eager)
-        fused.set_compile(r["compile"])
-        r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
-    fused.set_compile(saved_mode)
-    del parallel_state
-    return rows
-
-
-def _time_rounds(rows: list, args, data, cuda: bool) -> None:
-    from megatron_scalevec.layers import fused
-    from megatron_scalevec.testing import models as M
-
     for i in range(args.repeats):
         # Each round starts one variant later: none always runs right after the same one.
         for r in rows[i % len(rows):] + rows[:i % len(rows)]:
@@ -256,6 +242,13 @@ def _time_rounds(rows: list, args, data, cuda: bool) -> None:
                 r["peak"] = torch.cuda.max_memory_allocated()
             r["times"].append(time.perf_counter() - t0)
             r["faults"].append(minor_faults() - f0)
+    rows = _merge_instances(rows)
+    for r in rows:  # the fold as the variant trained it: compiled, or eager (@eager)
+        fused.set_compile(r["compile"])
+        r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
+    fused.set_compile(saved_mode)
+    del parallel_state
+    return rows
 
 
 NULL = "#null"

@@ -1,11 +1,6 @@
-"""megatron-core's optimizer on multi-tensor kernels, for the overhead benchmark (bench.py).
-
-Without Transformer Engine or apex, megatron-core falls back to torch's AdamW and to per-tensor
-loops for the gradient norm and clipping: one op and a host sync per parameter, a cost that
-GPUs (fused multi-tensor kernels) do not pay and that would charge a strategy's many tiny
-parameters (an OR magnitude per vector, per expert) for the CPU. These switch every variant to
-torch's multi-tensor forms; ``--cpu-fallbacks`` in the benchmark keeps megatron-core's.
-"""
+"""megatron-core's optimizer on multi-tensor kernels, as GPUs run it, for the overhead
+benchmark (bench.py; ``--cpu-fallbacks`` keeps megatron-core's CPU fallbacks). Why: each
+function's docstring."""
 
 from __future__ import annotations
 

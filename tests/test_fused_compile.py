@@ -2,6 +2,7 @@
 reference, and ``auto`` falls back to eager, once and with one warning, where compiling fails."""
 
 import contextlib
+import types
 import warnings
 
 import pytest
@@ -168,7 +169,7 @@ def test_compiled_fold_maps_match_eager():
         layout = (2, 3, rows // 2)  # linear: 2 groups of 3 slots
         lw, lg = torch.randn(2, 6 * (rows // 2), width).unbind(0)
         lrow, lcol = torch.rand(3, rows // 2) + 0.5, torch.rand(3, width) + 0.5
-        fc1 = _View(rows)
+        fc1 = types.SimpleNamespace(groups=1, slots=["gate", "up"], rows=rows)  # the layout
         cases = [  # (compiled, eager, arguments)
             (grouped.stacked_fold_backward, grouped._stacked_fold_backward,
              (g, ws, col, row, 1, (True, True))),
@@ -186,9 +187,3 @@ def test_compiled_fold_maps_match_eager():
     assert len(fused._COMPILED) == 3, list(fused._COMPILED)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
-
-class _View:
-    """The fc1 layout stacked_fold_ops reads (one group, gate and up slots)."""
-
-    def __init__(self, rows):
-        self.groups, self.slots, self.rows = 1, ["gate", "up"], rows

@@ -116,7 +116,7 @@ def stacked_fold(weights, col, row, groups) -> torch.Tensor:
 def stacked_fold_backward(grad, weights, col, row, groups, needs) -> tuple:
     """Gradients of (col, row, *weights) from dL/dW_eff [E, out, in] (``needs``: which);
     the weights' in their dtype (``grad`` may be an fp32 accumulation). Compiled as
-    layers/fused.py's kernels, with the weights' static shapes (one pass, not one a product)."""
+    layers/fused.py's kernels, with the weights' static shapes (the products fused)."""
     return fused._kernel(_stacked_fold_backward, grad, dynamic=False)(
         grad, tuple(weights), col, row, groups, needs)
 
@@ -165,7 +165,7 @@ def stacked_fold_ops(fc1, weights) -> fold_cache.FoldOps:
         dcol, drow, *dw = stacked_fold_backward(g, ws, vs[0], vs[1], groups, needs[-2:])
         return (*dw, dcol, drow)
 
-    def fold(ws, vs):  # once per step, without autograd: compiled (stack and scale, one pass)
+    def fold(ws, vs):  # once per step, without autograd: compiled (stack and scale fused)
         return fused._kernel(stacked_fold, ws[0], dynamic=False)(ws, vs[0], vs[1], groups)
 
     return fold_cache.FoldOps(weights, vectors, fold, unfold)
