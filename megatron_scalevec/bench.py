@@ -23,6 +23,11 @@ A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / 
 torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails) and
 ``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch). ``--null`` times the
 baseline twice (:func:`null_builds`): the run's noise floor, printed above the table.
+``--host`` runs every variant again at the smallest width (:func:`host_args`), where the
+arithmetic vanishes and what is left of a variant's excess is host work (Python, dispatch,
+compiled-call wrappers, per-parameter optimizer loops), which a GPU overlaps with its kernels
+once they are long enough: a second table (:func:`host_report`) prints that excess in ms and as
+a share of the variant's excess at full width.
 
 Every variant runs the same megatron-core optimizer (clipping at ``--clip-grad``) on
 multi-tensor kernels, as GPUs do: torch's fused AdamW and torch's multi-tensor ops for the
@@ -50,8 +55,9 @@ from megatron_scalevec import ScaleVecConfig
 from megatron_scalevec.heap import keep_freed_memory, minor_faults
 from megatron_scalevec.multi_tensor import multi_tensor_adam, multi_tensor_kernels
 
-__all__ = ["main", "multi_tensor_adam", "multi_tensor_kernels", "null_builds",
-           "paired_ratio", "parse_variant", "report", "run", "saved_activation_bytes"]
+__all__ = ["host_args", "host_report", "main", "multi_tensor_adam", "multi_tensor_kernels",
+           "null_builds", "paired_diff", "paired_ratio", "parse_variant", "report", "run",
+           "saved_activation_bytes"]
 
 DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dnp",
                     "hg+dnp+or", "hg+dnp+er", "unified"]
@@ -301,6 +307,43 @@ def paired_ratio(runs, base_runs):
     return statistics.median(q), _half_iqr(q)
 
 
+def paired_diff(runs, base_runs) -> float:
+    """Median over rounds and instances of run[i] - base_run[i] (seconds), paired as
+    :func:`paired_ratio`."""
+    return statistics.median(t - b for run, base in zip(runs, base_runs)
+                             for t, b in zip(run, base))
+
+
+def host_args(args):
+    """``args`` at the smallest width the model allows (head dim 4, FFN twice the hidden
+    size, 16 tokens of one sequence, vocabulary 256), everything else as given: a step that
+    does next to no arithmetic, so what a variant adds there is host work."""
+    small = copy.copy(args)
+    small.hidden_size = 4 * args.num_attention_heads
+    small.ffn_hidden_size = 2 * small.hidden_size * max(1, args.topk // 2)
+    small.seq_length, small.micro_batch_size, small.vocab = 16, 1, 256
+    return small
+
+
+def host_report(rows, host_rows, base_name: str) -> str:
+    """Each variant's excess over ``base_name`` at the smallest width (``host_rows``) in ms,
+    and as a share of its excess at full width (``rows``, same variants)."""
+    full = {r["name"]: r for r in rows}
+    by = {r["name"]: r for r in host_rows}
+    base = by[base_name] if base_name in by else host_rows[0]
+    lines = [f"host work: every variant at hidden {base['config'].hidden_size}, "
+             f"{base['config'].ffn_hidden_size} FFN, 16 tokens (--host)",
+             "| variant | step ms | excess ms | full-width excess ms | host share |",
+             "|---|---|---|---|---|"]
+    for r in host_rows:
+        ex = paired_diff(r["runs"], base["runs"]) * 1e3
+        full_ex = paired_diff(full[r["name"]]["runs"], full[base["name"]]["runs"]) * 1e3
+        share = f"{ex / full_ex:.2f}" if r is not base and full_ex > 0 else "n/a"
+        lines.append(f"| {r['name']} | {statistics.median(r['times']) * 1e3:.1f} | {ex:.1f} | "
+                     f"{full_ex:.1f} | {share} |")
+    return "\n".join(lines)
+
+
 def report(rows, base_name: str) -> str:
     """One markdown table: each variant against stock and shared (those present) and
     ``base_name``."""
@@ -371,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--null", action="store_true",
                    help="also build and time the baseline a second time (row BASELINE#null): "
                         "its ratio to the baseline is the run's noise floor")
+    p.add_argument("--host", action="store_true",
+                   help="also run every variant at the smallest width and print each one's "
+                        "excess there (host work) and its share of the full-width excess")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--instances", type=int, default=2,
@@ -422,6 +468,8 @@ def main(argv=None) -> None:
           f"micro_batches={args.micro_batches} repeats={args.repeats} "
           f"instances={args.instances} heap={heap}")
     print(report(rows, args.baseline))
+    if args.host:
+        print(host_report(rows, run(host_args(args)), args.baseline))
     dist.destroy_process_group()
 
 

@@ -401,3 +401,38 @@ def test_benchmark_null_row_is_the_baseline_again():
 
     with pytest.raises(ValueError, match="--null: the baseline 'stock' is not among"):
         null_builds([("shared", None)], "stock")
+
+
+def test_host_args_shrink_only_the_width():
+    """--host reruns the same variants, instances and model shape at the smallest width."""
+    from megatron_scalevec import bench  # noqa: PLC0415
+
+    args = bench.build_parser().parse_args(
+        ["--variants", "shared", "unified", "--baseline", "shared", "--num-experts", "4",
+         "--instances", "3", "--micro-batches", "4"])
+    small = bench.host_args(args)
+    assert (small.hidden_size, small.ffn_hidden_size, small.seq_length,
+            small.micro_batch_size, small.vocab) == (32, 64, 16, 1, 256)
+    assert (small.variants, small.instances, small.num_experts, small.micro_batches,
+            small.num_layers) == (["shared", "unified"], 3, 4, 4, 4)
+    assert args.hidden_size == 256  # the full-width arguments are left as they were
+
+
+def test_host_report_prints_paired_excess_and_share():
+    """The host table: each variant's paired excess over the baseline at the smallest width,
+    its excess at full width, and the ratio of the two."""
+    from types import SimpleNamespace
+
+    from megatron_scalevec.bench import host_report  # noqa: PLC0415
+
+    cfg = SimpleNamespace(hidden_size=32, ffn_hidden_size=64)
+
+    def row(name, runs):
+        return dict(name=name, runs=runs, times=[t for r in runs for t in r], config=cfg)
+
+    full = [row("shared", [[1.0, 2.0, 1.0]]), row("unified", [[1.1, 2.1, 1.1]])]
+    host = [row("shared", [[0.010, 0.020, 0.010]]), row("unified", [[0.014, 0.024, 0.014]])]
+    lines = host_report(full, host, "shared").splitlines()
+    assert lines[0].startswith("host work: every variant at hidden 32, 64 FFN"), lines[0]
+    assert lines[3] == "| shared | 10.0 | 0.0 | 0.0 | n/a |", lines[3]
+    assert lines[4] == "| unified | 14.0 | 4.0 | 100.0 | 0.04 |", lines[4]
