@@ -187,3 +187,36 @@ def test_compiled_fold_maps_match_eager():
     assert len(fused._COMPILED) == 3, list(fused._COMPILED)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
+
+
+def test_static_kernels_compile_ahead_per_layout_and_fall_back():
+    """A fixed-shape kernel runs compiled ahead for each input layout (shapes, strides and
+    constants) without dynamo, equal to its body; dynamo (the fallback) takes the calls
+    beyond its layout limit, the calls with an input requiring grad, and every call of a
+    function that does not trace (a branch on values), after one warning."""
+    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
+
+    def fn(x, scale, flag, none):  # a nested result with a None in it
+        return (x * scale + flag, None), x.square().sum(-1)
+
+    seen = []
+    k = StaticKernel(fn, lambda *a: seen.append(a[0].shape) or fn(*a), layouts=2)
+    x = torch.randn(4, 8)
+    for scale in (2.0, 2.0, 3.0):  # a constant is part of the layout
+        (y, none), s = k(x, scale, True, None)
+        (ry, _), rs = fn(x, scale, True, None)
+        assert none is None and _rel(y, ry) < 1e-6 and _rel(s, rs) < 1e-6, scale
+    assert len(k.compiled) == 2 and not seen
+    k(torch.randn(8, 4).t(), 2.0, True, None)  # a third layout (strides only): past the limit
+    with torch.enable_grad():
+        k(x.requires_grad_(), 2.0, True, None)  # autograd needs the traced path
+    assert len(k.compiled) == 2 and seen == [(4, 8), (4, 8)], seen
+
+    def branchy(x):
+        return x * 2 if bool(x.sum() > 0) else x
+
+    calls = []
+    k = StaticKernel(branchy, lambda x: calls.append(1) or branchy(x))
+    with pytest.warns(UserWarning, match="precompiling branchy failed"):
+        assert k(torch.ones(3)).equal(torch.full((3,), 2.0))
+    assert k.failed and len(calls) == 1 and k(-torch.ones(3)).equal(-torch.ones(3))

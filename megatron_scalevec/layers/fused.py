@@ -26,9 +26,12 @@ from typing import Optional
 
 import torch
 
+from megatron_scalevec.layers.precompiled import MAX_LAYOUTS, StaticKernel
+
 _ENV = "MEGATRON_SCALEVEC_FUSED_COMPILE"
 _STATE = {"compile": os.environ.get(_ENV, "auto"), "reference": False, "broken": False}
 _COMPILED: dict = {}
+AHEAD = 2  # layouts compiled ahead for the token-shaped kernels (a run's train and eval)
 
 
 def set_compile(mode: str) -> None:
@@ -61,16 +64,21 @@ def use_reference() -> bool:
     return _STATE["reference"]
 
 
-def _kernel(fn, x: torch.Tensor, dynamic: Optional[bool] = None):
+def _kernel(fn, x: torch.Tensor, dynamic: Optional[bool] = None, ahead: Optional[int] = None):
     """``fn`` compiled (or not) as set_compile says; ``dynamic=False`` for functions whose
-    shapes are the weights' (a few per model), never a token count."""
+    shapes are the weights' (a few per model), never a token count. The first ``ahead``
+    input layouts (default: 8 with ``dynamic=False``, else none) are compiled ahead and
+    called without dynamo (layers/precompiled.py); a training run meets one or two."""
     mode = _STATE["compile"]
     _check_mode(mode, f"{_ENV} / fused compile mode")
     if mode == "off" or (mode == "auto" and _STATE["broken"]):
         return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = _guarded(fn, torch.compile(fn, dynamic=dynamic))
-    return _COMPILED[fn]
+    ahead = (MAX_LAYOUTS if dynamic is False else 0) if ahead is None else ahead
+    key = (fn, dynamic, ahead)
+    if key not in _COMPILED:
+        compiled = _guarded(fn, torch.compile(fn, dynamic=dynamic))
+        _COMPILED[key] = StaticKernel(fn, compiled, ahead) if ahead else compiled
+    return _COMPILED[key]
 
 
 def _guarded(fn, compiled):
@@ -227,8 +235,9 @@ def _per_slot(rope):
 class _QKVNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed, a_q, a_k, a_v, rope_q, rope_k, eps, layer, interleaved, qpg):
-        q, k, v, rq, rk, rv = _kernel(_qkv_fwd, mixed)(mixed, a_q, a_k, a_v, rope_q, rope_k,
-                                                       eps, layer, interleaved, qpg)
+        kernel = _kernel(_qkv_fwd, mixed, ahead=AHEAD)
+        q, k, v, rq, rk, rv = kernel(mixed, a_q, a_k, a_v, rope_q, rope_k, eps, layer,
+                                     interleaved, qpg)
         ctx.save_for_backward(q, k, v, rq, rk, rv, a_q, a_k, a_v,
                               *(rope_q or (None, None)), *(rope_k or (None, None)))
         ctx.layer, ctx.interleaved, ctx.qpg = layer, interleaved, qpg
@@ -239,8 +248,9 @@ class _QKVNorm(torch.autograd.Function):
         *saved, cq, sq, ck, sk = ctx.saved_tensors
         rope_q = None if cq is None else (cq, sq)
         rope_k = None if ck is None else (ck, sk)
-        dx, daq, dak, dav = _kernel(_qkv_bwd, dq)(dq, dk, dv, *saved, rope_q, rope_k,
-                                                  ctx.layer, ctx.interleaved, ctx.qpg)
+        kernel = _kernel(_qkv_bwd, dq, ahead=AHEAD)
+        dx, daq, dak, dav = kernel(dq, dk, dv, *saved, rope_q, rope_k, ctx.layer,
+                                   ctx.interleaved, ctx.qpg)
         return dx, daq, dak, dav, None, None, None, None, None, None
 
 

@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers.fused import _kernel, _layer_norm, _norm_reference, use_reference
+from megatron_scalevec.layers.fused import (
+    AHEAD,
+    _kernel,
+    _layer_norm,
+    _norm_reference,
+    use_reference,
+)
 
 BLOCK = 16  # rows per block of the per-expert vector gradients
 
@@ -222,7 +228,8 @@ class _GLUNorm(torch.autograd.Function):
         ctx.local = sharding.group_size(group) == 1 and n == _width(z, gated)
         _static_widths(z, a_g, a_u)
         if ctx.local:  # statistics and output in one kernel
-            h, mean, rstd = _kernel(_glu_local_fwd, z)(z, a_g, a_u, ids, act, gated, layer, eps)
+            kernel = _kernel(_glu_local_fwd, z, ahead=AHEAD)
+            h, mean, rstd = kernel(z, a_g, a_u, ids, act, gated, layer, eps)
         else:
             mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
             h = _kernel(_glu_split_fwd, z)(z, mean, rstd, a_g, a_u, ids, act, gated)
@@ -236,7 +243,7 @@ class _GLUNorm(torch.autograd.Function):
         args = (dh, z, mean, rstd, a_g, a_u, ids, spans, keys, ctx.act, ctx.gated)
         _static_widths(dh, z, a_g, a_u)
         if ctx.local:  # row sums and gradients in one kernel
-            dz, da_g, da_u = _kernel(_glu_local_bwd, z)(*args)
+            dz, da_g, da_u = _kernel(_glu_local_bwd, z, ahead=AHEAD)(*args)
         else:
             kernel = _kernel(_glu_split_bwd, z)
             dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
