@@ -234,11 +234,13 @@ def _layer_case(rank, world, check):
             with fold_cache.step(4):
                 mb()
                 mb()
-        elif check == "weight_changed":
+        elif check == "weight_changed":  # found at the last forward, before the map back
             fold_cache.begin_step(4)
             mb()
             with torch.no_grad():
                 lin.weight.add_(1.0)
+            mb()
+            mb()
             mb()
         elif check == "new_step":
             fold_cache.begin_step(4)

@@ -192,8 +192,9 @@ def test_compiled_fold_maps_match_eager():
 def test_static_kernels_compile_ahead_per_layout_and_fall_back():
     """A fixed-shape kernel runs compiled ahead for each input layout (shapes, strides and
     constants) without dynamo, equal to its body; dynamo (the fallback) takes the calls
-    beyond its layout limit, the calls with an input requiring grad, and every call of a
-    function that does not trace (a branch on values), after one warning."""
+    beyond its layout limit, the calls with an input requiring grad, every call once new
+    layouts keep coming, and every call of a function that does not trace (a branch on
+    values), after one warning."""
     from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
 
     def fn(x, scale, flag, none):  # a nested result with a None in it
@@ -211,6 +212,10 @@ def test_static_kernels_compile_ahead_per_layout_and_fall_back():
     with torch.enable_grad():
         k(x.requires_grad_(), 2.0, True, None)  # autograd needs the traced path
     assert len(k.compiled) == 2 and seen == [(4, 8), (4, 8)], seen
+    for rows in range(9, 17):  # ever new shapes, beyond the limit: it stops looking up
+        assert not k.failed
+        k(torch.randn(rows, 8), 2.0, True, None)
+    assert k.failed and len(seen) == 10
 
     def branchy(x):
         return x * 2 if bool(x.sum() > 0) else x

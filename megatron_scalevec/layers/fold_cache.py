@@ -162,12 +162,20 @@ class _Cycle:
         self.arrived += 1
 
     def check(self, n: Optional[int], weights: tuple) -> None:
-        where = f"fold once per step ({self.name}, after {self.seen} of {self.n} forwards)"
+        """Every forward: the step's micro-batch count is the cycle's. The last forward (before
+        it builds the map back) also: the weights are those W_eff was folded from. Once is
+        enough: a change shows there, before any gradient of the stale W_eff reaches a
+        parameter (the earlier ones sit in the accumulator)."""
         if n != self.n:
-            raise RuntimeError(f"{where}: the micro-batch count changed to {n} within a step")
-        if tuple(w._version for w in weights) != self.versions:
-            raise RuntimeError(f"{where}: the weight changed within the step (an optimizer "
-                               f"step inside the cycle?); the cached effective weight is stale")
+            raise RuntimeError(f"{self._where()}: the micro-batch count changed to {n} within "
+                               f"a step")
+        if self.seen + 1 == self.n and tuple(w._version for w in weights) != self.versions:
+            raise RuntimeError(f"{self._where()}: the weight changed within the step (an "
+                               f"optimizer step inside the cycle?); the cached effective weight "
+                               f"is stale")
+
+    def _where(self) -> str:
+        return f"fold once per step ({self.name}, after {self.seen} of {self.n} forwards)"
 
 
 def step_weight(module, ops: FoldOps, *, scalevec=None, config=None,

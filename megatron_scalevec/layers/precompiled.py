@@ -17,7 +17,8 @@ in), and the compiled code runs under ``no_grad`` or with no argument requiring 
 fused kernels run inside autograd Functions, the folds without grad), for the first
 ``layouts`` layouts a function meets, and for functions that trace and compile. Anything
 else goes to ``fallback`` (the dynamo-compiled function), as does every later call of a
-function that failed once.
+function that failed once or keeps meeting new layouts (a sequential expert's token count
+changes every call: the lookup would only add to dynamo's cost).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 MAX_LAYOUTS = 8  # per function; beyond it dynamo's own caching (and dynamic shapes) serve
+RETIRE = 4  # misses per layout, once all are taken, after which a function stops looking
 
 
 def _layout(leaf):
@@ -43,7 +45,7 @@ class StaticKernel:
     def __init__(self, fn, fallback, layouts: int = MAX_LAYOUTS):
         self.fn, self.fallback, self.layouts = fn, fallback, layouts
         self.compiled: dict = {}
-        self.failed = False
+        self.failed, self.misses = False, 0
 
     def __call__(self, *args):
         if self.failed:
@@ -57,6 +59,8 @@ class StaticKernel:
         entry = self.compiled.get(key)
         if entry is None:
             if len(self.compiled) >= self.layouts:
+                self.misses += 1  # shapes that vary (an expert's token count): stop looking
+                self.failed = self.misses > RETIRE * self.layouts
                 return self.fallback(*args)
             entry = self._compile(leaves, spec, tensors)
             if entry is None:
