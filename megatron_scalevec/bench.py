@@ -20,7 +20,8 @@ micro-batch, or ``@mbfold``).
 
 A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / ``activation``
 (ScaleVecConfig.apply_mode), ``compile`` / ``eager`` (the fused DNP kernels through
-torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails) and
+torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails),
+``dynamo`` (compiled, without the kernels compiled ahead, layers/precompiled.py) and
 ``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch). ``--null`` times the
 baseline twice (:func:`null_builds`): the run's noise floor, printed above the table.
 ``--host`` runs every variant again at the smallest width (:func:`host_args`), where the
@@ -70,13 +71,13 @@ def parse_variant(name: str):
     for opt in filter(None, opts.split(",")):
         if opt in ("weight", "activation"):
             mode = opt
-        elif opt in ("compile", "eager"):
-            compile_mode = "on" if opt == "compile" else "off"
+        elif opt in ("compile", "eager", "dynamo"):
+            compile_mode = {"compile": "on", "eager": "off"}.get(opt, opt)
         elif opt == "mbfold":
             per_step = False
         else:
             raise ValueError(f"variant {name!r}: unknown option {opt!r} (expected weight, "
-                             f"activation, compile, eager or mbfold)")
+                             f"activation, compile, eager, dynamo or mbfold)")
     if strategy == "stock":
         return None, compile_mode
     return ScaleVecConfig.from_string(strategy, apply_mode=mode,

@@ -225,3 +225,21 @@ def test_static_kernels_compile_ahead_per_layout_and_fall_back():
     with pytest.warns(UserWarning, match="precompiling branchy failed"):
         assert k(torch.ones(3)).equal(torch.full((3,), 2.0))
     assert k.failed and len(calls) == 1 and k(-torch.ones(3)).equal(-torch.ones(3))
+
+
+def test_dynamo_mode_compiles_without_the_static_kernels():
+    """``dynamo`` (the benchmark's ``@dynamo``) compiles through torch.compile alone; ``on``
+    puts the fixed-shape kernels on the ahead-compiled path."""
+    from megatron_scalevec.bench import parse_variant  # noqa: PLC0415
+    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
+
+    assert parse_variant("unified@dynamo")[1] == "dynamo"
+    kinds = {}
+    for mode in ("on", "dynamo"):
+        fused._COMPILED.clear()
+        with _mode(mode):
+            kinds[mode] = (type(fused._kernel(torch.sin, None, dynamic=False)),
+                           type(fused._kernel(torch.cos, None, ahead=fused.AHEAD)))
+    assert kinds["on"] == (StaticKernel, StaticKernel), kinds
+    assert StaticKernel not in kinds["dynamo"], kinds
+    fused._COMPILED.clear()

@@ -35,14 +35,16 @@ AHEAD = 2  # layouts compiled ahead for the token-shaped kernels (a run's train 
 
 
 def set_compile(mode: str) -> None:
-    """``auto`` (compiled on CUDA tensors), ``on`` or ``off``."""
+    """``auto`` (compiled on CUDA tensors), ``on`` or ``off``; ``dynamo``: compiled, but
+    through torch.compile alone, without the kernels compiled ahead (the benchmark's
+    ``@dynamo``, to measure what those save)."""
     _check_mode(mode, "fused compile mode")
     _STATE["compile"] = mode
 
 
 def _check_mode(mode: str, what: str) -> None:
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{what} must be auto, on or off, got {mode!r}")
+    if mode not in ("auto", "on", "off", "dynamo"):
+        raise ValueError(f"{what} must be auto, on, off or dynamo, got {mode!r}")
 
 
 def compile_mode() -> str:
@@ -74,6 +76,7 @@ def _kernel(fn, x: torch.Tensor, dynamic: Optional[bool] = None, ahead: Optional
     if mode == "off" or (mode == "auto" and _STATE["broken"]):
         return fn
     ahead = (MAX_LAYOUTS if dynamic is False else 0) if ahead is None else ahead
+    ahead = 0 if mode == "dynamo" else ahead
     key = (fn, dynamic, ahead)
     if key not in _COMPILED:
         compiled = _guarded(fn, torch.compile(fn, dynamic=dynamic))
