@@ -143,7 +143,7 @@ def test_auto_falls_back_to_eager_once(monkeypatch):
 
 
 def test_bad_mode_is_one_clear_error(monkeypatch):
-    with pytest.raises(ValueError, match="auto, on or off"):
+    with pytest.raises(ValueError, match="auto, on, off or dynamo"):
         fused.set_compile("yes")
     monkeypatch.setitem(fused._STATE, "compile", "fast")  # as from the environment
     with pytest.raises(ValueError, match="MEGATRON_SCALEVEC_FUSED_COMPILE"):
