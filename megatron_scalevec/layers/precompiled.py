@@ -6,7 +6,7 @@ training step, whose tensors have evicted that Python from the CPU caches (measu
 GLU norm at 16 tokens, where the kernel itself is a few us). A dense layer calls four fused
 kernels per micro-batch and the weight folds a few per step, so on the CPU benchmark this was
 the largest single part of the strategy's host work. For kernels whose shapes are fixed (the
-caller passes ``dynamic=False`` to ``fused._kernel``), :class:`StaticKernel` traces the
+caller passes ``dynamic=False`` or ``ahead`` to ``fused._kernel``), :class:`StaticKernel` traces the
 function with ``make_fx`` for each layout it meets and compiles it with inductor's
 ``standalone_compile``; a call then looks up the layout (shapes, strides, offsets, dtypes,
 devices and every non-tensor argument) and runs the compiled code.
