@@ -301,18 +301,21 @@ def _half_iqr(values) -> float:
     return (q[int(0.75 * (len(q) - 1))] - q[int(0.25 * (len(q) - 1))]) / 2
 
 
+def _pairs(runs, base_runs):
+    """(t, b) over rounds and instances, each instance's rounds paired with the same
+    instance of the base."""
+    return ((t, b) for run, base in zip(runs, base_runs) for t, b in zip(run, base))
+
+
 def paired_ratio(runs, base_runs):
-    """(median, half interquartile range) over rounds and instances of run[i] / base_run[i],
-    each instance's rounds paired with the same instance of the base."""
-    q = [t / b for run, base in zip(runs, base_runs) for t, b in zip(run, base)]
+    """(median, half interquartile range) over :func:`_pairs` of run[i] / base_run[i]."""
+    q = [t / b for t, b in _pairs(runs, base_runs)]
     return statistics.median(q), _half_iqr(q)
 
 
 def paired_diff(runs, base_runs) -> float:
-    """Median over rounds and instances of run[i] - base_run[i] (seconds), paired as
-    :func:`paired_ratio`."""
-    return statistics.median(t - b for run, base in zip(runs, base_runs)
-                             for t, b in zip(run, base))
+    """Median over :func:`_pairs` of run[i] - base_run[i] (seconds)."""
+    return statistics.median(t - b for t, b in _pairs(runs, base_runs))
 
 
 def host_args(args):

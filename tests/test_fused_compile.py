@@ -188,7 +188,6 @@ def test_compiled_fold_maps_match_eager():
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-
 def test_static_kernels_compile_ahead_per_layout_and_fall_back():
     """A fixed-shape kernel runs compiled ahead for each input layout (shapes, strides and
     constants) without dynamo, equal to its body; dynamo (the fallback) takes the calls

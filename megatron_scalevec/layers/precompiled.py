@@ -50,12 +50,11 @@ class StaticKernel:
     def __call__(self, *args):
         if self.failed:
             return self.fallback(*args)
-        with torch._C.DisableTorchFunction():  # plain attribute reads (no mode in between)
-            leaves, spec = pytree.tree_flatten(args)
-            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-                return self.fallback(*args)
-            key = (spec, tuple(_layout(leaf) for leaf in leaves))
+        leaves, spec = pytree.tree_flatten(args)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return self.fallback(*args)
+        key = (spec, tuple(_layout(leaf) for leaf in leaves))
         entry = self.compiled.get(key)
         if entry is None:
             if len(self.compiled) >= self.layouts:
