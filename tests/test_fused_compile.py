@@ -226,6 +226,49 @@ def test_static_kernels_compile_ahead_per_layout_and_fall_back():
     assert k.failed and len(calls) == 1 and k(-torch.ones(3)).equal(-torch.ones(3))
 
 
+def test_static_kernel_lookup_reads_layouts_past_torch_function_modes():
+    """A warm call's layout lookup reads its tensors' metadata with torch-function dispatch
+    off: a mode in the caller's context (the CPU layer's device mode, here a counter) sees
+    none of it (under the CPU layer each read cost ~3 us). An argument of another kind than
+    tensors, plain tuples and lists and plain constants (a NamedTuple here) goes to the
+    fallback rather than into the key, where its tensors would hash by identity."""
+    from typing import NamedTuple  # noqa: PLC0415
+
+    from torch.overrides import TorchFunctionMode  # noqa: PLC0415
+
+    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
+
+    class Counter(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    def fn(x, pair, scale):
+        return x * scale + pair[0] * pair[1]
+
+    served = []
+    k = StaticKernel(fn, lambda *a: served.append(a) or fn(*a))
+    x, y = torch.randn(4, 8), torch.randn(8)
+    k(x, (y, y), 2.0)  # compiles this layout
+    counter = Counter()
+    with torch.no_grad(), counter:  # as the kernels' autograd Functions and the folds run
+        out = k(x, (y, y), 2.0)
+    assert not counter.calls, counter.calls
+    assert _rel(out, fn(x, (y, y), 2.0)) < 1e-6 and not served
+
+    class Pair(NamedTuple):
+        a: torch.Tensor
+        b: torch.Tensor
+
+    for scale in (2.0, 3.0):
+        assert _rel(k(x, Pair(y, y + scale), scale), fn(x, (y, y + scale), scale)) < 1e-6
+    assert len(served) == 2 and len(k.compiled) == 1 and not k.failed
+
+
 def test_dynamo_mode_compiles_without_the_static_kernels():
     """``dynamo`` (the benchmark's ``@dynamo``) compiles through torch.compile alone; ``on``
     puts the fixed-shape kernels on the ahead-compiled path."""

@@ -23,6 +23,7 @@ changes every call: the lookup would only add to dynamo's cost).
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
@@ -30,13 +31,59 @@ from torch.utils import _pytree as pytree
 
 MAX_LAYOUTS = 8  # per function; beyond it dynamo's own caching (and dynamic shapes) serve
 RETIRE = 4  # misses per layout, once all are taken, after which a function stops looking
+# Non-tensor arguments a layout may hold: hashable by value, holding no tensor.
+_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device, types.FunctionType,
+              types.BuiltinFunctionType)
 
 
-def _layout(leaf):
-    if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype,
-                leaf.device)
-    return (type(leaf), leaf)
+def _flatten(args, tensors: list):
+    """The layout key of ``args`` (tensors appended to ``tensors`` in order): each tensor's
+    shape, strides, offset, dtype and device; plain tuples and lists
+    recursed; the constants as they are. None when an argument is of another kind (then
+    dynamo serves the call). A loop of our own, not ``pytree``: this runs on every call."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            key.append((a.shape, a.stride(), a.storage_offset(), a.dtype, a.device))
+        elif type(a) in (tuple, list):
+            inner = _flatten(a, tensors)
+            if inner is None:
+                return None
+            key.append((type(a), inner))
+        elif isinstance(a, _CONSTANTS):
+            key.append((type(a), a))
+        else:
+            return None
+    return tuple(key)
+
+
+def _substitute(obj, tensors):
+    """``obj`` with its tensors (in :func:`_flatten`'s order) taken from the iterator."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if type(obj) in (tuple, list):
+        return type(obj)(_substitute(o, tensors) for o in obj)
+    return obj
+
+
+def _fill(template, out):
+    """The result's structure (tuples, lists, None; ints index the flat outputs) filled."""
+    if type(template) is int:
+        return out[template]
+    if template is None:
+        return None
+    return type(template)(_fill(t, out) for t in template)
+
+
+def _template(spec):
+    """:func:`_fill`'s template of a pytree spec, or None for other containers."""
+    template = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+
+    def plain(t):
+        return type(t) is int or t is None or (type(t) in (tuple, list) and all(map(plain, t)))
+
+    return template if plain(template) else None
 
 
 class StaticKernel:
@@ -50,44 +97,53 @@ class StaticKernel:
     def __call__(self, *args):
         if self.failed:
             return self.fallback(*args)
-        leaves, spec = pytree.tree_flatten(args)
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        tensors: list = []
+        # The key is metadata only: read it past any torch-function mode or subclass of the
+        # caller's (a device context, a FLOP counter, the CPU layer's device mode), which would
+        # otherwise take every attribute read (about 9 us each under the CPU layer's mode).
+        grad = torch.is_grad_enabled()
+        with torch._C.DisableTorchFunction():
+            key = _flatten(args, tensors)
+            traced = key is not None and not (grad and any(t.requires_grad for t in tensors))
+        if not traced:
             return self.fallback(*args)
-        key = (spec, tuple(_layout(leaf) for leaf in leaves))
         entry = self.compiled.get(key)
         if entry is None:
             if len(self.compiled) >= self.layouts:
                 self.misses += 1  # shapes that vary (an expert's token count): stop looking
                 self.failed = self.misses > RETIRE * self.layouts
                 return self.fallback(*args)
-            entry = self._compile(leaves, spec, tensors)
+            entry = self._compile(args, tensors)
             if entry is None:
                 return self.fallback(*args)
             self.compiled[key] = entry
-        artifact, out_spec = entry
-        with torch.no_grad():
-            return pytree.tree_unflatten(list(artifact(*tensors)), out_spec)
+        artifact, template = entry
+        if grad:  # the fold maps and the kernels' autograd Functions already run without
+            with torch.no_grad():
+                out = artifact(*tensors)
+        else:
+            out = artifact(*tensors)
+        return _fill(template, out)
 
-    def _compile(self, leaves, spec, tensors):
-        """(compiled artifact, output pytree spec), or None (and ``failed``) when ``fn`` does
-        not trace or compile: then dynamo's own compile (or its eager fallback) takes over."""
+    def _compile(self, args, tensors):
+        """(compiled artifact, result template), or None (and ``failed``) when ``fn`` does
+        not trace or compile, or returns other than tensors in tuples and lists: then
+        dynamo's own compile (or its eager fallback) takes over."""
         from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
 
-        slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         out_spec = []
 
         def flat(*ts):
-            full = list(leaves)
-            for i, t in zip(slots, ts):
-                full[i] = t
-            out, s = pytree.tree_flatten(self.fn(*pytree.tree_unflatten(full, spec)))
+            out, s = pytree.tree_flatten(self.fn(*_substitute(args, iter(ts))))
             out_spec.append(s)
             return out
 
         try:
             with torch.no_grad():
                 gm = make_fx(flat, tracing_mode="fake")(*tensors)
+                template = _template(out_spec[-1])
+                if template is None:
+                    raise TypeError("a result other than tensors in tuples and lists")
                 artifact = torch._inductor.standalone_compile(
                     gm, list(tensors), dynamic_shapes="from_example_inputs")
         except Exception as err:  # tracing or inductor: any failure means "not this way"
@@ -96,4 +152,4 @@ class StaticKernel:
                           f"({type(err).__name__}: {err}); using torch.compile for it",
                           stacklevel=3)
             return None
-        return artifact, out_spec[-1]
+        return artifact, template
