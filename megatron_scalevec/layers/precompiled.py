@@ -40,9 +40,9 @@ _CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device, type
 
 def _flatten(args, tensors: list):
     """The layout key of ``args`` (tensors appended to ``tensors`` in order): each tensor's
-    shape, strides, offset, dtype and device; plain tuples and lists
-    recursed; the constants as they are. None when an argument is of another kind (then
-    dynamo serves the call). A loop of our own, not ``pytree``: this runs on every call."""
+    shape, strides, offset, dtype and device; plain tuples and lists recursed; the constants
+    as they are. None when an argument is of another kind (then dynamo serves the call). A
+    loop of our own, not ``pytree``: this runs on every call."""
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -102,7 +102,7 @@ class StaticKernel:
         tensors: list = []
         # The key is metadata only: read it past any torch-function mode or subclass of the
         # caller's (a device context, a FLOP counter, the CPU layer's device mode), which would
-        # otherwise take every attribute read (about 9 us each under the CPU layer's mode).
+        # otherwise take every attribute read (about 3 us each through a mode, measured on CPU).
         grad = torch.is_grad_enabled()
         with torch._C.DisableTorchFunction():
             key = _flatten(args, tensors)
@@ -120,7 +120,7 @@ class StaticKernel:
                 return self.fallback(*args)
             self.compiled[key] = entry
         artifact, template = entry
-        if grad:  # the fold maps and the kernels' autograd Functions already run without
+        if grad:  # the fold maps and the kernels' autograd Functions already run without grad
             with torch.no_grad():
                 out = artifact(*tensors)
         else:
