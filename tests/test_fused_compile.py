@@ -269,6 +269,27 @@ def test_static_kernel_lookup_reads_layouts_past_torch_function_modes():
     assert len(served) == 2 and len(k.compiled) == 1 and not k.failed
 
 
+def test_static_kernels_compile_without_size_asserts(monkeypatch):
+    """A static kernel compiles with inductor's input size asserts off (its lookup has
+    matched every input's layout already), and only its own compile: the setting is back on
+    afterwards."""
+    from torch._inductor import config as inductor_config  # noqa: PLC0415
+
+    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
+
+    seen, compile_ = [], torch._inductor.standalone_compile
+
+    def recording(*args, **kwargs):
+        seen.append(inductor_config.size_asserts)
+        return compile_(*args, **kwargs)
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", recording)
+    k = StaticKernel(lambda x: x * 2 + 1, None)
+    x = torch.randn(3, 5)
+    assert _rel(k(x), x * 2 + 1) < 1e-6 and len(k.compiled) == 1
+    assert seen == [False] and inductor_config.size_asserts
+
+
 def test_dynamo_mode_compiles_without_the_static_kernels():
     """``dynamo`` (the benchmark's ``@dynamo``) compiles through torch.compile alone; ``on``
     puts the fixed-shape kernels on the ahead-compiled path."""

@@ -131,6 +131,7 @@ class StaticKernel:
         """(compiled artifact, result template), or None (and ``failed``) when ``fn`` does
         not trace or compile, or returns other than tensors in tuples and lists: then
         dynamo's own compile (or its eager fallback) takes over."""
+        from torch._inductor import config as inductor_config  # noqa: PLC0415
         from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
 
         out_spec = []
@@ -146,8 +147,11 @@ class StaticKernel:
                 template = _template(out_spec[-1])
                 if template is None:
                     raise TypeError("a result other than tensors in tuples and lists")
-                artifact = torch._inductor.standalone_compile(
-                    gm, list(tensors), dynamic_shapes="from_example_inputs")
+                # The lookup has matched every input's shape, strides and offset: the
+                # generated code need not assert them again on every call (472 a dense step).
+                with inductor_config.patch(size_asserts=False):
+                    artifact = torch._inductor.standalone_compile(
+                        gm, list(tensors), dynamic_shapes="from_example_inputs")
         except Exception as err:  # tracing or inductor: any failure means "not this way"
             self.failed = True
             warnings.warn(f"precompiling {getattr(self.fn, '__name__', self.fn)} failed "
