@@ -306,3 +306,41 @@ def test_dynamo_mode_compiles_without_the_static_kernels():
     assert kinds["on"] == (StaticKernel, StaticKernel), kinds
     assert StaticKernel not in kinds["dynamo"], kinds
     fused._COMPILED.clear()
+
+
+def test_glu_kernels_varying_rows_retire_only_their_own_site(monkeypatch):
+    """A sequential expert's GLU (a new row count every call) goes to dynamo without touching
+    the kernels compiled ahead, and grouped experts whose row counts vary (expert
+    parallelism) retire only their own: a dense GLU in the same model keeps its compiled
+    layout. (With one shared kernel, a MoE benchmark's sequential `unified` retired the
+    grouped experts' and they paid dynamo's dynamic-shape kernels: 1.2 ms a GLU.)"""
+    from megatron_scalevec.layers import precompiled  # noqa: PLC0415
+
+    monkeypatch.setattr(glu, "AHEAD", 1)
+    monkeypatch.setattr(precompiled, "RETIRE", 0)  # retired at the first miss
+    f = 12
+    a = (1 + 0.3 * torch.randn(f)).requires_grad_()
+    a_e = (1 + 0.3 * torch.randn(3, f)).requires_grad_()
+
+    def call(rows, experts=None, rows_vary=False):
+        z = torch.randn(rows, 2 * f, requires_grad=True)
+        vec = a if experts is None else a_e
+        h = glu.glu_norm(z, vec, vec, F.silu, gated=True, normalization="RMSNorm", eps=1e-5,
+                         experts=experts, rows_vary=rows_vary)
+        h.sum().backward()
+
+    def static(site):
+        return [k for (fn, _, ahead, s), k in fused._COMPILED.items()
+                if s == site and ahead and fn in (glu._glu_local_fwd, glu._glu_local_bwd)]
+
+    fused._COMPILED.clear()
+    with _mode("on"):
+        call(16)  # dense: compiled ahead for its one layout
+        for rows in (5, 9, 14):  # sequential experts
+            call(rows, rows_vary=True)
+        for counts in ([4, 0, 6], [3, 8, 2]):  # grouped experts, counts varying
+            call(sum(counts), experts=glu.expert_rows(counts))
+        call(16)
+    dense, grouped = static(""), static("experts")
+    assert len(dense) == 2 and all(len(k.compiled) == 1 and not k.failed for k in dense)
+    assert len(grouped) == 2 and all(k.failed for k in grouped)

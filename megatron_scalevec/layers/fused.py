@@ -66,18 +66,20 @@ def use_reference() -> bool:
     return _STATE["reference"]
 
 
-def _kernel(fn, x: torch.Tensor, dynamic: Optional[bool] = None, ahead: Optional[int] = None):
+def _kernel(fn, x: torch.Tensor, dynamic: Optional[bool] = None, ahead: Optional[int] = None,
+            site: str = ""):
     """``fn`` compiled (or not) as set_compile says; ``dynamic=False`` for functions whose
     shapes are the weights' (a few per model), never a token count. The first ``ahead``
     input layouts (default: 8 with ``dynamic=False``, else none) are compiled ahead and
-    called without dynamo (layers/precompiled.py); a training run meets one or two."""
+    called without dynamo (layers/precompiled.py); a training run meets one or two. Each
+    ``site`` (a kind of caller) has its own: one whose shapes vary retires only its own."""
     mode = _STATE["compile"]
     _check_mode(mode, f"{_ENV} / fused compile mode")
     if mode == "off" or (mode == "auto" and _STATE["broken"]):
         return fn
     ahead = (MAX_LAYOUTS if dynamic is False else 0) if ahead is None else ahead
     ahead = 0 if mode == "dynamo" else ahead
-    key = (fn, dynamic, ahead)
+    key = (fn, dynamic, ahead, site)
     if key not in _COMPILED:
         compiled = _guarded(fn, torch.compile(fn, dynamic=dynamic))
         _COMPILED[key] = StaticKernel(fn, compiled, ahead) if ahead else compiled

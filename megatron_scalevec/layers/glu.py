@@ -224,11 +224,12 @@ def _per_expert(keys, a_g, a_u, dz, da_g, da_u):
 
 class _GLUNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys):
+    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys, ahead):
         ctx.local = sharding.group_size(group) == 1 and n == _width(z, gated)
+        ctx.ahead = ahead
         _static_widths(z, a_g, a_u)
         if ctx.local:  # statistics and output in one kernel
-            kernel = _kernel(_glu_local_fwd, z, ahead=AHEAD)
+            kernel = _kernel(_glu_local_fwd, z, ahead=ahead, site=_site(ids))
             h, mean, rstd = kernel(z, a_g, a_u, ids, act, gated, layer, eps)
         else:
             mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
@@ -243,12 +244,18 @@ class _GLUNorm(torch.autograd.Function):
         args = (dh, z, mean, rstd, a_g, a_u, ids, spans, keys, ctx.act, ctx.gated)
         _static_widths(dh, z, a_g, a_u)
         if ctx.local:  # row sums and gradients in one kernel
-            dz, da_g, da_u = _kernel(_glu_local_bwd, z, ahead=AHEAD)(*args)
+            dz, da_g, da_u = _kernel(_glu_local_bwd, z, ahead=ctx.ahead, site=_site(ids))(*args)
         else:
             kernel = _kernel(_glu_split_bwd, z)
             dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
             dz, da_g, da_u = kernel(*args, dots)
-        return dz, da_g, da_u, *(None,) * 9
+        return dz, da_g, da_u, *(None,) * 10
+
+
+def _site(ids) -> str:
+    """Grouped experts' GLUs (``ids``: each row's expert) and the others compile ahead apart:
+    the grouped row count varies with expert parallelism, a dense layer's never does."""
+    return "" if ids is None else "experts"
 
 
 def _rows(ids, *vectors):
@@ -260,11 +267,14 @@ def _rows(ids, *vectors):
 
 
 def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, group=None,
-             width: Optional[int] = None, experts: Optional[ExpertRows] = None):
+             width: Optional[int] = None, experts: Optional[ExpertRows] = None,
+             rows_vary: bool = False):
     """``act(a_g N(gate)) * a_u N(up)`` (``act(a_u N(z))`` when not gated); ``z`` = fc1's
     local output, ``[gate, up]`` halves; N over ``width`` (the logical FFN width). With
     ``experts`` (grouped experts: the rows of each expert, :func:`expert_rows`) ``a_g``,
-    ``a_u`` are [E, f], one vector per expert."""
+    ``a_u`` are [E, f], one vector per expert. ``rows_vary`` (a sequential expert: a new
+    row count every call): straight to torch.compile's dynamic shapes, for no layout
+    compiled ahead would serve it twice."""
     layer = _layer_norm(normalization)
     n = width or _width(z, gated) * sharding.group_size(group)
     ids, spans, keys = experts if experts is not None else (None, None, None)
@@ -275,4 +285,5 @@ def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, g
         if not gated:
             return act(nu)
         return act((_norm_reference(gate, layer, eps, group, n) * a_g).to(z.dtype)) * nu
-    return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys)
+    return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys,
+                          0 if rows_vary else AHEAD)
