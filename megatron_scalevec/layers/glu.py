@@ -224,12 +224,12 @@ def _per_expert(keys, a_g, a_u, dz, da_g, da_u):
 
 class _GLUNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys, ahead):
+    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys, site):
         ctx.local = sharding.group_size(group) == 1 and n == _width(z, gated)
-        ctx.ahead = ahead
+        ctx.site = site
         _static_widths(z, a_g, a_u)
         if ctx.local:  # statistics and output in one kernel
-            kernel = _kernel(_glu_local_fwd, z, ahead=ahead, site=_site(ids))
+            kernel = _local_kernel(_glu_local_fwd, z, site)
             h, mean, rstd = kernel(z, a_g, a_u, ids, act, gated, layer, eps)
         else:
             mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
@@ -244,7 +244,7 @@ class _GLUNorm(torch.autograd.Function):
         args = (dh, z, mean, rstd, a_g, a_u, ids, spans, keys, ctx.act, ctx.gated)
         _static_widths(dh, z, a_g, a_u)
         if ctx.local:  # row sums and gradients in one kernel
-            dz, da_g, da_u = _kernel(_glu_local_bwd, z, ahead=ctx.ahead, site=_site(ids))(*args)
+            dz, da_g, da_u = _local_kernel(_glu_local_bwd, z, ctx.site)(*args)
         else:
             kernel = _kernel(_glu_split_bwd, z)
             dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
@@ -252,10 +252,18 @@ class _GLUNorm(torch.autograd.Function):
         return dz, da_g, da_u, *(None,) * 10
 
 
-def _site(ids) -> str:
-    """Grouped experts' GLUs (``ids``: each row's expert) and the others compile ahead apart:
-    the grouped row count varies with expert parallelism, a dense layer's never does."""
-    return "" if ids is None else "experts"
+VARYING = "varying"  # a sequential expert's GLU: a new row count every call
+
+
+def _site(ids, rows_vary: bool) -> str:
+    """The kind of caller, whose kernels compiled ahead are its own: grouped experts (``ids``:
+    each row's expert; their row count varies with expert parallelism), dense GLUs (theirs
+    never does), or :data:`VARYING` (none compiled ahead)."""
+    return VARYING if rows_vary else "" if ids is None else "experts"
+
+
+def _local_kernel(fn, z, site: str):
+    return _kernel(fn, z, ahead=0 if site == VARYING else AHEAD, site=site)
 
 
 def _rows(ids, *vectors):
@@ -286,4 +294,4 @@ def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, g
             return act(nu)
         return act((_norm_reference(gate, layer, eps, group, n) * a_g).to(z.dtype)) * nu
     return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys,
-                          0 if rows_vary else AHEAD)
+                          _site(ids, rows_vary))
