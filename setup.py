@@ -41,6 +41,5 @@ setup(
         "megatron-scalevec-pretrain = megatron_scalevec.training.trainer:cli",
         "megatron-scalevec-preprocess = megatron_scalevec.training.preprocess:main",
         "megatron-scalevec-convert = megatron_scalevec.convert.cli:main",
-        "megatron-scalevec-bench = megatron_scalevec.bench:main",
     ]},
 )

@@ -56,11 +56,6 @@ class ScaleVecConfig:
             ``per_expert`` (SPEC.md: every routed expert has its own) or ``shared`` (one set
             per MoE layer used by all its routed experts; about E times fewer parameters for
             fine-grained MoE). Shared experts and the router are unaffected.
-        fold_per_step: with several micro-batches per optimizer step, fold each folded weight
-            once per step and map its accumulated gradient back once (layers/fold_cache.py):
-            exact, and n times fewer fold passes, but it holds the effective weight and an fp32
-            gradient accumulator per folded weight while a step runs. False folds per
-            micro-batch (no per-step memory), e.g. when memory is tighter than time.
     """
 
     vectors: bool = True
@@ -74,7 +69,6 @@ class ScaleVecConfig:
     decay_direction: bool = False
     apply_mode: str = "auto"
     expert_vectors: str = "per_expert"
-    fold_per_step: bool = True
 
     def __post_init__(self):
         if self.dp and self.dnp:

@@ -107,12 +107,11 @@ class ScaleVecNorm(ScaleVector):
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
                              f"got {self.normalization!r}")
-        # Every user (forward, vector, forward_fused) asks once per training forward.
-        self.cache_per_step(scalevec, config)
 
     def vector(self):
-        """gamma (None without a vector), for the fused functions that apply it."""
-        return super().forward()
+        """gamma (None without a vector), for the fused functions that apply it; read
+        through the module call (vectors.py)."""
+        return self()
 
     def forward_fused(self, x: torch.Tensor, rope=None, interleaved: bool = False):
         """A per-head branch norm through layers/fused.py (+ RoPE: ``rope`` = (cos, sin))."""
@@ -120,7 +119,10 @@ class ScaleVecNorm(ScaleVector):
 
         return fused.head_norm(x, self.vector(), self.eps, self.normalization, rope, interleaved)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Optional[torch.Tensor] = None, parts: bool = False):
+        """``gamma * N(x)``; without ``x`` the vector itself (ScaleVector.forward)."""
+        if x is None:
+            return super().forward(parts)
         if self.kind == "branch" and self.split_group is None:
             return self.forward_fused(x)  # keeps its output (the consumer's) + 1/rms
         gamma = super().forward()

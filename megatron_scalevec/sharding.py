@@ -85,6 +85,22 @@ def reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceGrad.apply(x, group)
 
 
+def ready(modules) -> None:
+    """Run the forward pre-hooks of ``modules`` for a caller that reads their parameters
+    without calling them (grouped experts stack their experts' weights): megatron-core's DDP
+    waits there for an overlapped parameter all-gather (``overlap_param_gather``); without
+    them the previous step's values would be read. Private: ``nn.Module._forward_pre_hooks``
+    and ``_forward_pre_hooks_with_kwargs`` (where ``register_forward_pre_hook`` keeps its
+    hooks; checked on torch 2.9 to 2.13)."""
+    for m in modules:
+        with_kwargs = m._forward_pre_hooks_with_kwargs
+        for key, hook in list(m._forward_pre_hooks.items()):
+            if key in with_kwargs:
+                hook(m, (), {})
+            else:
+                hook(m, ())
+
+
 def tp_group(is_expert: bool):
     """The tensor-parallel group a layer is split over (expert-TP for experts)."""
     if not parallel_state.model_parallel_is_initialized():

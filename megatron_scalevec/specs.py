@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
     TransformerLayerSubmodules,
     get_transformer_layer_offset,
 )
@@ -39,7 +40,6 @@ from megatron.core.transformer.transformer_layer import (
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig, moe_layer_flags
 from megatron_scalevec.layers import ScaleVecMLP, ScaleVecSelfAttention
-from megatron_scalevec.layers.layer import ScaleVecTransformerLayer
 from megatron_scalevec.layers.moe import (
     ScaleVecSequentialMLP,
     ScaleVecSharedExpertMLP,
@@ -165,7 +165,7 @@ def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
     else:
         mlp = mlp_spec(cfg, transformer_impl)
     return ModuleSpec(
-        module=ScaleVecTransformerLayer,
+        module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=IdentityOp if te else pre,
             self_attention=attention_spec(cfg, transformer_impl),

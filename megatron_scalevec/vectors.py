@@ -12,14 +12,10 @@ Each parameter carries ``scalevec_role`` (``input``/``output``, SPEC.md's IWD ta
 ``scalevec_part`` (which of the above it is); the optimizer rules read only these two.
 Norms and means run over the whole logical vector even when it is split across ranks.
 
-Once per optimizer step: within a step the parameters are fixed, so gamma is too. A vector
-whose owner asks for it exactly once per training forward (the norms, the router) opts in with
-:meth:`ScaleVector.cache_per_step`; its ``forward()`` then runs the weight folds' cycle
-(layers/fold_cache.py) on gamma itself: gamma is computed once (no autograd) and reused as a
-leaf by micro-batches 1..n-1, whose gradients accumulate in fp32; the last micro-batch computes
-gamma with autograd and its backward adds the accumulated gradient, so the map back to the
-parameters (and the ``reduce_grad`` all-reduce) runs once per step. The weight folds read their
-vectors through :meth:`ScaleVector.gamma`, never cached (they are once per step already).
+A vector's value is always read through the module call, ``vec()`` (a norm: ``norm()`` without
+input, norms.py): hooks registered on the owning module run first. megatron-core's DDP with
+``overlap_param_gather`` waits there for the all-gather of the module's parameters; reading
+them any other way would use the previous step's values (tests/test_overlap.py).
 """
 
 from __future__ import annotations
@@ -90,66 +86,36 @@ class ScaleVector(nn.Module):
                 p.fill_(0.0 if name in ("alpha", "logit") else 1.0)
 
     _once: Optional[torch.Tensor] = None  # set inside computed_once()
-    _step: Optional[tuple] = None  # (scalevec, config) once cache_per_step() was called
-
-    def cache_per_step(self, scalevec, config) -> None:
-        """Compute gamma once per optimizer step (module doc). Only for an owner that calls
-        ``forward()`` exactly once per training forward: the cycle counts those calls. A plain
-        vector without gradient reduction has nothing to save and stays as it is."""
-        if self.enabled and (self.parameterization != "plain" or self.grad_group is not None):
-            self._step = (scalevec, config)
 
     @contextlib.contextmanager
     def computed_once(self):
         """Inside the block every call returns the gamma computed on entry: one autograd node,
         so a vector used by several modules (shared expert vectors) is transformed and its
         gradient reduced once per forward, not once per user."""
-        outer = self._once  # inside a layer's evaluation (layers/layer.py): the same gamma
-        self.hold(ScaleVector.forward(self))  # also for a norm
-        try:
-            yield
-        finally:
-            self.hold(outer)
-
-    def hold(self, gamma: Optional[torch.Tensor]) -> None:
-        """Make every call return ``gamma`` (None: compute again); for :meth:`computed_once`
-        and a layer's evaluation of all its vectors at once (layers/layer.py)."""
+        gamma = self()
         # object.__setattr__: a plain fp32 gamma is the Parameter itself, which
         # Module.__setattr__ would try to register as a parameter named _once
         object.__setattr__(self, "_once", gamma)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_once", None)
 
-    def forward(self) -> Optional[torch.Tensor]:
-        """The effective gamma [size] (float32), or None when there is no vector; once per
-        optimizer step when :meth:`cache_per_step` was called and the step allows it."""
-        if self._once is None and self._step is not None:
-            gamma = self._step_gamma()
-            if gamma is not None:
-                return gamma
-        return self.gamma()
-
-    def gamma(self) -> Optional[torch.Tensor]:
-        """gamma computed now (with autograd when enabled), never through the step cache: the
-        weight folds' ``vectors()`` (a fold is once per step already) and diagnostics."""
+    def forward(self, parts: bool = False):
+        """The effective gamma [size] (float32), or None when there is no vector. ``parts``:
+        the float32 parameters by name instead, for a caller that evaluates several alike
+        vectors as one batched operation (:func:`stacked`)."""
+        if parts:
+            return {name: p.float() for name, p in self.named_parameters(recurse=False)}
         if self._once is not None:
             return self._once
         if self.parameterization is None:
             return None
         return _gamma(self, lambda part: getattr(self, part).float())
 
-    def _step_gamma(self) -> Optional[torch.Tensor]:
-        """fold_cache's cycle with gamma as the "effective weight": weights = this vector's
-        parameters (their version counters guard the cache), vectors = (gamma with autograd,),
-        fold and unfold the identity, so the last micro-batch's autograd maps the summed
-        gradient back. None: compute gamma per micro-batch (fold_cache's on/off rules)."""
-        from megatron_scalevec.layers import fold_cache  # noqa: PLC0415 (layers imports us)
-
-        scalevec, config = self._step
-        # The [size] part first: fold_cache names the cycle after weights[0]'s shape.
-        weights = tuple(reversed(list(self.parameters(recurse=False))))
-        ops = fold_cache.FoldOps(weights, lambda: (self.gamma(),), _identity_fold,
-                                 _identity_unfold)
-        return fold_cache.step_weight(self, ops, scalevec=scalevec, config=config,
-                                      safe_recompute=fold_cache.NORM_SAFE_RECOMPUTE)
+    def gamma(self) -> Optional[torch.Tensor]:
+        """``self()``: gamma, through the module call (diagnostics and conversion)."""
+        return self()
 
     @torch.no_grad()
     def set_from_gamma(self, gamma: torch.Tensor) -> None:
@@ -214,42 +180,8 @@ def _gamma(v0: ScaleVector, part) -> torch.Tensor:
 
 
 def stacked(vectors: list) -> torch.Tensor:
-    """[k, m] float32: ``gamma()`` of k alike vectors (:func:`alike`) as one batched
-    operation, with the same split statistics and gradient reduction as one by one."""
-    return _gamma(vectors[0], lambda name: torch.stack([getattr(v, name) for v in vectors])
-                  .float())
-
-
-def alike(v: ScaleVector) -> tuple:
-    """Vectors with equal keys can be stacked: same parameterization, lengths, groups, dtype."""
-    dtype = next(v.parameters()).dtype if v.enabled else None
-    return (v.parameterization, v.size, v.global_size, v.split_group, v.grad_group, dtype)
-
-
-def gammas(vectors: list) -> list:
-    """``gamma()`` of each vector (None where it has none), alike OR / ER vectors computed as
-    one stacked operation: a few ops (and one all-reduce per group) instead of a dozen per
-    vector. A vector held by :meth:`ScaleVector.hold` returns what it holds."""
-    out: list = [None] * len(vectors)
-    groups: dict = {}
-    for i, v in enumerate(vectors):
-        if v._once is None and v.parameterization in ("or", "er"):
-            groups.setdefault(alike(v), {}).setdefault(id(v), []).append(i)
-        else:
-            out[i] = v.gamma()
-    for group in groups.values():
-        first = [idx[0] for idx in group.values()]
-        rows = (stacked([vectors[i] for i in first]).unbind(0) if len(first) > 1
-                else [vectors[first[0]].gamma()])
-        for idx, row in zip(group.values(), rows):
-            for i in idx:
-                out[i] = row
-    return out
-
-
-def _identity_fold(weights, vectors):
-    return vectors[0].clone()  # a plain fp32 gamma is a view of its parameter
-
-
-def _identity_unfold(grad, weights, vectors, needs):
-    return (*(None for _ in weights), grad)  # the gradient of gamma; autograd does the rest
+    """[k, m] float32: the gamma of k alike vectors (same parameterization, sizes, groups) as
+    one batched operation, with the same split statistics and gradient reduction as one by
+    one. Each vector's parameters are read through its module call (module doc)."""
+    parts = [v(parts=True) for v in vectors]
+    return _gamma(vectors[0], lambda name: torch.stack([p[name] for p in parts]))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-from megatron_scalevec.bench import saved_activation_bytes
+from benchmarks.overhead import saved_activation_bytes
 from megatron_scalevec.layers import fused, glu
 from megatron_scalevec.testing import init_model_parallel, run_on_ranks
 from megatron_scalevec.testing import models as M
@@ -258,11 +258,11 @@ def test_fold_and_dnp_keep_no_weight_or_norm_input():
 
 
 def test_kernel_benchmark_prints_every_kernel_and_ratio(capsys):
-    """tools/bench_kernels.py (eager here: compiling its shapes costs more than the test)."""
+    """benchmarks/kernels.py (eager here: compiling its shapes costs more than the test)."""
     import importlib.util as iu  # noqa: PLC0415
     import os  # noqa: PLC0415
 
-    path = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_kernels.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels.py")
     spec = iu.spec_from_file_location("bench_kernels", path)
     tool = iu.module_from_spec(spec)
     spec.loader.exec_module(tool)

@@ -95,27 +95,6 @@ def test_grouped_gemm_experts_train_like_sequential(tmp_path, monkeypatch):
         assert abs(a - b) <= 1e-5 * abs(a), (seq, grouped)
 
 
-def test_fold_per_micro_batch_flag_trains_alike(tmp_path, monkeypatch):
-    """4 micro-batches per step: the default folds once per step (its map-back runs), and
-    --fold-per-micro-batch (which never maps back) gives the same losses."""
-    from megatron_scalevec.layers import fold_cache
-
-    marker, backward = tmp_path / "map_backs", fold_cache._MapBack.backward
-
-    def counted(ctx, grad):  # the ranks are forked: they inherit this patch
-        with open(marker, "a") as f:
-            f.write(".")
-        return backward(ctx, grad)
-
-    monkeypatch.setattr(fold_cache._MapBack, "backward", staticmethod(counted))
-    per_mb = _run(1, "--train-iters", "3", "--fold-per-micro-batch", run_dir=tmp_path / "mb")
-    assert not marker.exists()
-    per_step = _run(1, "--train-iters", "3", run_dir=tmp_path / "step")
-    assert marker.exists()
-    for a, b in zip(per_mb, per_step):
-        assert abs(a - b) <= 1e-5 * abs(a), (per_mb, per_step)
-
-
 def test_bad_checkpoints_fail_clearly(tmp_path):
     ck = tmp_path / "ck"
     _run(1, "--train-iters", "2", "--save", str(ck), run_dir=tmp_path / "r")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_scalevec.testing import run_on_ranks
-from megatron_scalevec.vectors import ScaleVector, gammas
+from megatron_scalevec.vectors import ScaleVector, stacked
 
 
 @pytest.mark.parametrize("kind,parts", [("plain", {"weight"}), ("or", {"magnitude", "direction"}),
@@ -114,49 +114,38 @@ def _vectors(kinds_sizes):
     return vecs
 
 
-def test_gammas_equal_one_by_one():
-    """Alike vectors stacked (two OR of 6, two ER of 6, one OR of 4, a plain one, one used
-    twice, one without vector): the same gammas and parameter gradients as gamma() each."""
-    vecs = _vectors([("or", 6), ("er", 6), ("or", 6), ("er", 6), ("or", 4), ("plain", 6)])
-    vecs.append(ScaleVector(6, None))
-    order = [0, 1, 2, 3, 4, 5, 2, 6]
-    w = [torch.randn(v.size, generator=torch.Generator().manual_seed(i)) for i, v in
-         enumerate(vecs)]
-    grads = []
-    for batched in (True, False):
-        for p in (p for v in vecs for p in v.parameters()):
-            p.grad = None
-        out = gammas([vecs[i] for i in order]) if batched else [vecs[i].gamma() for i in order]
-        assert out[-1] is None
-        sum((g * w[i]).sum() for g, i in zip(out[:-1], order)).backward()
-        grads.append(([g.detach() for g in out[:-1]],
-                      [p.grad.clone() for v in vecs for p in v.parameters()]))
-    (got, got_grad), (want, want_grad) = grads
-    for a, b in zip(got + got_grad, want + want_grad):
-        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7 * float(b.abs().max())), (a, b)
+def test_stacked_equals_one_by_one():
+    """Alike vectors stacked (vectors.stacked: grouped experts' per-expert vectors): the same
+    stacked and parameter gradients as each vector's own call."""
+    for kind in ("plain", "or", "er"):
+        vecs = _vectors([(kind, 6)] * 3)
+        w = [torch.randn(6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        grads = []
+        for batched in (True, False):
+            for p in (p for v in vecs for p in v.parameters()):
+                p.grad = None
+            out = list(stacked(vecs).unbind(0)) if batched else [v() for v in vecs]
+            sum((g * wi).sum() for g, wi in zip(out, w)).backward()
+            grads.append(([g.detach() for g in out],
+                          [p.grad.clone() for v in vecs for p in v.parameters()]))
+        (got, got_grad), (want, want_grad) = grads
+        for a, b in zip(got + got_grad, want + want_grad):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-7 * float(b.abs().max())), (a, b)
 
 
-def test_gammas_stack_alike_vectors():
-    """One stacked evaluation per group of alike vectors, not one per vector."""
-    vecs = _vectors([("or", 6)] * 4 + [("or", 4)])
-    calls = []
-    real = ScaleVector.gamma
-    ScaleVector.gamma = lambda self: calls.append(self) or real(self)
-    try:
-        gammas(vecs)
-    finally:
-        ScaleVector.gamma = real
-    assert calls == [vecs[4]]  # the four of length 6 went through stacked()
+def test_values_are_read_through_the_module_call():
+    """gamma, its parts and a norm's vector go through ``__call__``, where megatron-core's
+    DDP hooks wait for an overlapped parameter all-gather (tests/test_overlap.py)."""
+    from types import SimpleNamespace
 
+    from megatron_scalevec.config import ScaleVecConfig
+    from megatron_scalevec.norms import ScaleVecNorm
 
-def test_held_gamma_survives_computed_once():
-    """A layer holds a vector's gamma; a user's computed_once inside returns it and leaves
-    it held (it used to drop it)."""
     v = ScaleVector(6, "or")
-    held = v.gamma()
-    v.hold(held)
-    with v.computed_once():
-        assert v() is held
-    assert v() is held and gammas([v])[0] is held
-    v.hold(None)
-    assert v() is not held
+    config = SimpleNamespace(params_dtype=torch.float32, normalization="RMSNorm")
+    norm = ScaleVecNorm(config, 6, scalevec=ScaleVecConfig.from_string("or"), kind="branch")
+    calls = []
+    for m in (v, norm):
+        m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    v.gamma(), stacked([v, v]), norm.vector()
+    assert calls == [v, v, v, norm], calls

@@ -6,8 +6,7 @@ rule or a converter sees no difference; only ``forward`` changes. Per forward:
 
 * the fc1 weights of the local experts are stacked and every expert's vectors folded in one
   batched operation: ``W1_eff[e] = diag(a^e) W1[e] diag(gamma^e)`` per slot (gate / up), the
-  OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`); once
-  per optimizer step when there are several micro-batches (layers/fold_cache.py);
+  OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`);
 * ``h = grouped_mm(x, W1_eff)`` over the tokens sorted by expert (``offs`` = cumulative ends);
 * DNP and the GLU in one lean pass (layers/glu.py ``glu_norm`` with per-row vectors): the
   scale-free norm over each token's FFN width (all-reduced over expert TP when split), its
@@ -27,12 +26,12 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers import fold_cache, fused, glu
+from megatron_scalevec.layers import fused, glu
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
-from megatron_scalevec.vectors import ScaleVector, stacked
+from megatron_scalevec.vectors import stacked
 
 __all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_fold",
-           "stacked_fold_backward", "stacked_fold_ops", "stacked_forward_weight", "stacked_gamma"]
+           "stacked_fold_backward", "stacked_forward_weight", "stacked_gamma"]
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None)
@@ -64,17 +63,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
 
 
 def stacked_gamma(vectors: list) -> Optional[torch.Tensor]:
-    """[E, m] float32: ``ScaleVector.forward()`` of E alike vectors (one per expert) computed
-    as one batched operation (vectors.py ``stacked``). One vector object used E times
-    (``expert_vectors='shared'``) is computed once and expanded; vectors their layer holds
-    (layers/layer.py) are stacked as held."""
+    """[E, m] float32: the gamma of E alike vectors (one per expert) computed as one batched
+    operation (vectors.py ``stacked``). One vector object used E times
+    (``expert_vectors='shared'``) is computed once and expanded."""
     v0 = vectors[0]
     if not v0.enabled:
         return None
     if all(v is v0 for v in vectors):
-        return ScaleVector.forward(v0).expand(len(vectors), -1)  # a norm's gamma too
-    if all(v._once is not None for v in vectors):
-        return torch.stack([v._once for v in vectors])
+        return v0().expand(len(vectors), -1)  # a norm's gamma too (called without input)
     return stacked(vectors)
 
 
@@ -152,34 +148,14 @@ class _StackedFold(torch.autograd.Function):
         return (dcol, drow, None, *dw)
 
 
-def stacked_fold_ops(fc1, weights) -> fold_cache.FoldOps:
-    """The batched fold of the experts ``fc1`` (a view with ``experts``, ``groups``,
-    ``slots``, ``rows``) for layers/fold_cache.py: vectors (col [E, S, in], row [E, S, r])."""
-    weights, groups = tuple(weights), fc1.groups
-
-    def vectors():
-        return (_slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1]),
-                _slot_stack(fc1, lambda m: m.scale_out, fc1.rows))
-
-    def unfold(g, ws, vs, needs):  # (dcol, drow, *dw) -> fold_cache's (*dw, dcol, drow)
-        dcol, drow, *dw = stacked_fold_backward(g, ws, vs[0], vs[1], groups, needs[-2:])
-        return (*dw, dcol, drow)
-
-    def fold(ws, vs):  # once per step, without autograd: compiled (stack and scale fused)
-        return fused._kernel(stacked_fold, ws[0], dynamic=False)(ws, vs[0], vs[1], groups)
-
-    return fold_cache.FoldOps(weights, vectors, fold, unfold)
-
-
 def stacked_forward_weight(module, fc1, weights) -> torch.Tensor:
-    """[E, out, in] folded fc1 weights of the experts ``fc1``: built once per optimizer step
-    when that is on (layers/fold_cache.py; ``module`` holds the cycle), else folded now."""
-    ops = stacked_fold_ops(fc1, weights)
-    w_eff = fold_cache.step_weight(module, ops)
-    if w_eff is not None:
-        return w_eff
-    col, row = ops.vectors()
-    return _StackedFold.apply(col, row, fc1.groups, *ops.weights)
+    """[E, out, in] folded fc1 weights of the experts ``fc1`` (a view with ``experts``,
+    ``groups``, ``slots``, ``rows``), with autograd; only the vectors are kept for backward
+    (:class:`_StackedFold`). ``module``: the caller (unused; the TE grouped linear passes
+    itself)."""
+    col = _slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1])
+    row = _slot_stack(fc1, lambda m: m.scale_out, fc1.rows)
+    return _StackedFold.apply(col, row, fc1.groups, *weights)
 
 
 class _Fc1View:
@@ -211,7 +187,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                                           f"'transformer_engine' or grouped_gemm=False")
         super().__init__(num_local_experts, config, submodules, pg_collection, name,
                          scalevec=scalevec)
-        self.scalevec = scalevec  # read by layers/fold_cache.py
+        self.scalevec = scalevec
         align = 16 // self.config.params_dtype.itemsize
         ffn = self.config.moe_ffn_hidden_size // sharding.group_size(self.tp_group)
         if self.config.hidden_size % align or ffn % align:
@@ -223,7 +199,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
     def _fc1_weight(self) -> torch.Tensor:
         """[E, out, in]: the stacked fc1 weights with every expert's vectors folded in."""
         fc1 = _Fc1View(self.local_experts)
-        weights = [f.weight for f in fc1.experts]
+        weights = [f.weight for f in fc1.experts]  # read: ready() in forward
         if not fc1.has_scale_vectors:
             return torch.stack(weights)
         return stacked_forward_weight(self, fc1, weights)
@@ -260,6 +236,8 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         offs = ends.to(x.device)
         rows = glu.expert_rows(counts, x.device, blocks=self.local_experts[0].up_norm is not None)
         experts = self.local_experts
+        # The experts' linears are read here, not called: their hooks first (sharding.ready)
+        sharding.ready([m for e in experts for m in (e.linear_fc1, e.linear_fc2)])
         with self.shared_vectors.computed_once() if self.shared_vectors is not None \
                 else contextlib.nullcontext():
             h = grouped_linear(x, self._fc1_weight(), offs)  # [T, G*S*r]

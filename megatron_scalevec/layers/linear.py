@@ -20,9 +20,9 @@ ways to apply it, chosen by ``ScaleVecConfig.apply_mode``:
 * ``weight``: build that effective weight (one pass over out x in) and run one GEMM. Default
   for megatron-core's local linears. The effective weight is never kept for backward (it would
   be weight-sized memory per micro-batch in flight): ``_FoldedLinear`` keeps W and the vectors
-  and rebuilds it in backward; or, with several micro-batches per step, it is built once per
-  optimizer step and its gradient mapped back once (layers/fold_cache.py). Gradient-accumulation
-  fusion is off for these layers since the GEMM's weight is not the leaf parameter.
+  and rebuilds it in backward, so nothing weight-sized outlives the micro-batch.
+  Gradient-accumulation fusion is off for these layers since the GEMM's weight is not the leaf
+  parameter.
 * ``activation``: scale the input by each branch's gamma, run the linear (one GEMM per
   distinct input vector), keep that branch's rows, then scale by ``a``. It never touches the
   weight, so it works for linears that own their weight (Transformer Engine, FP8).
@@ -38,8 +38,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import fold_cache, fused
-from megatron_scalevec.vectors import ScaleVector, gammas
+from megatron_scalevec.layers import fused
+from megatron_scalevec.vectors import ScaleVector
 
 
 def branch_layout(branches: str, config, out_local: int) -> tuple:
@@ -200,8 +200,7 @@ class ScaleVecLinearMixin:
         """[S, width] gamma per slot (ones for a branch without vector), None if no vector."""
         if len(vectors) == 0:
             return None
-        # gamma(), never the vectors' step cache: the fold is once per step itself.
-        per_branch = dict(zip(vectors.keys(), gammas(list(vectors.values()))))
+        per_branch = {name: vec() for name, vec in vectors.items()}
         ref = next(iter(per_branch.values()))
         ones = None
         rows: list[torch.Tensor] = []
@@ -228,18 +227,9 @@ class ScaleVecLinearMixin:
         return fold_weight(weight, row, col, self.fold_layout)
 
     def forward_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The effective weight a training forward uses: the one built once per optimizer step
-        (layers/fold_cache.py) when that is on, else :meth:`effective_weight`."""
-        w_eff = fold_cache.step_weight(self, self.fold_ops(weight))
-        return self.effective_weight(weight) if w_eff is None else w_eff
-
-    def fold_ops(self, weight: torch.Tensor) -> fold_cache.FoldOps:
-        """This layer's fold for layers/fold_cache.py: vectors (row, col)."""
-        layout = self.fold_layout
-        return fold_cache.FoldOps(
-            (weight,), self.fold_vectors,
-            lambda ws, vs: fold_weight(ws[0], vs[0], vs[1], layout),
-            lambda g, ws, vs, needs: fold_backward(g, ws[0], vs[0], vs[1], layout, needs))
+        """The effective weight with autograd, for a linear whose GEMM we do not run
+        (Transformer Engine's ``_get_weight_tensors``, layers/te.py)."""
+        return self.effective_weight(weight)
 
     def _activation_forward(self, x: torch.Tensor, call):
         """Activation-side application around any linear ``call(x) -> (out, bias)``."""
@@ -314,15 +304,11 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
                 **kwargs)
         if grad_output_buffer is not None:
             raise NotImplementedError("deferred wgrad compute with folded scale vectors")
-        w_eff = fold_cache.step_weight(self, self.fold_ops(weight))
-        row = col = None
-        if w_eff is None:
-            row, col = self.fold_vectors()
-            if fused.use_reference():  # tests: the autograd fold (keeps W_eff)
-                w_eff = fold_weight(weight, row, col, self.fold_layout)
-        if w_eff is not None:  # once per step, or the reference: megatron-core's own GEMM
+        row, col = self.fold_vectors()
+        if fused.use_reference():  # tests: the autograd fold (keeps W_eff)
             return super()._forward_impl(
-                input, w_eff, bias, False, allreduce_dgrad, sequence_parallel, None, None,
+                input, fold_weight(weight, row, col, self.fold_layout), bias, False,
+                allreduce_dgrad, sequence_parallel, None, None,
                 tp_group=tp_group, **kwargs)
         return _FoldedLinear.apply(input, weight, row, col, bias, self.fold_layout,
                                    allreduce_dgrad, sequence_parallel, tp_group)

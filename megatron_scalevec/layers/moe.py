@@ -91,7 +91,6 @@ class ScaleVecTopKRouter(TopKRouter):
                 tp_group=self.tp_group,
                 grad_group=self.tp_group if config.sequence_parallel else None,
                 dtype=config.params_dtype)
-            self.scale_in.cache_per_step(scalevec, config)  # one gating call per forward
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         if self.scale_in is None:

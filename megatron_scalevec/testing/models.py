@@ -24,7 +24,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_scalevec.layers import fold_cache
 from megatron_scalevec.specs import get_scalevec_block_spec
 
 VOCAB = 64
@@ -121,12 +120,14 @@ def batches(num: int, micro_batch: int, seed: int = 3) -> list:
 
 
 def wrap_ddp(model, config, distributed_optimizer: bool = False,
-             overlap_grad_reduce: bool = False):
+             overlap_grad_reduce: bool = False, **ddp_options):
     """megatron-core DDP around ``model``; a list of chunks gets one DDP per chunk (a list
-    back), bucketing only in the first, as Megatron-LM wraps virtual pipeline chunks."""
+    back), bucketing only in the first, as Megatron-LM wraps virtual pipeline chunks.
+    ``ddp_options``: more DistributedDataParallelConfig fields (``overlap_param_gather``,
+    ``align_param_gather``, ``bucket_size``)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
-        overlap_grad_reduce=overlap_grad_reduce)
+        overlap_grad_reduce=overlap_grad_reduce, **ddp_options)
     if isinstance(model, list):
         return [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
                 for i, m in enumerate(model)]
@@ -168,6 +169,9 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
     mine = data[dp_rank::dp]
     fwd_bwd = get_forward_backward_func()
     config.finalize_model_grads_func = finalize_model_grads
+    if chunks[0].ddp_config.align_param_gather:  # as Megatron-LM: the schedule dispatches
+        syncs = [c.start_param_sync for c in chunks]
+        config.param_sync_func = syncs[0] if len(syncs) == 1 else syncs
     losses = []
     for _ in range(steps):
         for chunk in chunks:
@@ -181,11 +185,9 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             return out, lambda t: (t.float().mean(), {"loss": t.float().mean().detach()})
 
-        with fold_cache.step(len(mine)):  # as the trainer: the fold once per step
-            res = fwd_bwd(forward_step_func=step, data_iterator=its if len(its) > 1 else its[0],
-                          model=chunks,
-                          num_microbatches=len(mine), seq_length=SEQ,
-                          micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
+        res = fwd_bwd(forward_step_func=step, data_iterator=its if len(its) > 1 else its[0],
+                      model=chunks, num_microbatches=len(mine), seq_length=SEQ,
+                      micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
         loss = torch.tensor(0.0)
         if parallel_state.is_pipeline_last_stage():
             loss = torch.stack([r["loss"] for r in res]).mean()
@@ -196,6 +198,15 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
             if grad_norms is not None:
                 grad_norms.append(float(norm))
     return losses
+
+
+def sync_params(ddp_model) -> None:
+    """Finish any overlapped parameter all-gather (``overlap_param_gather``), so the model's
+    parameters hold the last optimizer step's values, as Megatron-LM does before it evaluates
+    or saves (the forward pre-hooks do it during training)."""
+    for chunk in ddp_model if isinstance(ddp_model, list) else [ddp_model]:
+        if chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
 
 
 def run_case(config, strategy, *, dist_opt: bool = False, steps: int = 0,

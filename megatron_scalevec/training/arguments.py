@@ -35,10 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decay of Input-Norm vectors (default: --weight-decay)")
     g.add_argument("--decay-direction", action="store_true",
                    help="under OR/ER also decay the direction/logit part")
-    g.add_argument("--fold-per-micro-batch", action="store_true",
-                   help="fold the vectors into the weights in every micro-batch instead of once "
-                        "per optimizer step (saves the per-step effective weight and its fp32 "
-                        "gradient accumulator, costs n-1 more fold passes)")
     g.add_argument("--expert-vectors", default=None, choices=("per_expert", "shared"),
                    help="MoE (default per_expert): every expert its own vectors (SPEC) or "
                         "one set per layer shared by the routed experts (fewer parameters)")
@@ -78,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with the "
+                        "next forward (needs --use-distributed-optimizer, --overlap-grad-reduce)")
+    g.add_argument("--align-param-gather", action="store_true",
+                   help="with --overlap-param-gather: the schedule dispatches all gathers at "
+                        "once (Megatron-LM's flag)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per DDP bucket (default: megatron-core's)")
     g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"))
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fused-compile", default=None, choices=("auto", "on", "off"),
@@ -182,8 +186,7 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     try:
         a.scalevec_config = ScaleVecConfig.from_string(
             a.scalevec, scale_vector_weight_decay=a.scale_vector_weight_decay,
-            decay_direction=a.decay_direction, expert_vectors=a.expert_vectors,
-            fold_per_step=not a.fold_per_micro_batch)
+            decay_direction=a.decay_direction, expert_vectors=a.expert_vectors)
     except ValueError as e:
         raise ArgumentError(f"--scalevec: {e}") from None
     if a.spec == "scalevec_dense":
@@ -252,6 +255,13 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         _need(a.num_microbatches % pp == 0, "the interleaved pipeline schedule needs the "
                                             "number of micro-batches divisible by --pipeline-"
                                             "model-parallel-size")
+    if a.overlap_param_gather:  # Megatron-LM's own rules for the flag
+        _need(a.use_distributed_optimizer,
+              "--overlap-param-gather needs --use-distributed-optimizer")
+        _need(a.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
+    _need(not a.align_param_gather or a.overlap_param_gather,
+          "--align-param-gather applies with --overlap-param-gather")
+    _need(a.ddp_bucket_size is None or a.ddp_bucket_size > 0, "--ddp-bucket-size must be > 0")
     if a.optimizer == "muon":
         _need(importlib.util.find_spec("emerging_optimizers") is not None,
               "--optimizer muon needs the emerging-optimizers package (Python >= 3.12)")

@@ -95,6 +95,8 @@ def build_model(args, config, vocab_size):
         chunks.append(m)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.align_param_gather, bucket_size=args.ddp_bucket_size,
         use_distributed_optimizer=args.use_distributed_optimizer, check_for_nan_in_grad=False)
     return [DistributedDataParallel(config, ddp_config, m,
                                     disable_bucketing=(i > 0)) for i, m in enumerate(chunks)]

@@ -147,6 +147,9 @@ class Trainer:
         cfg.grad_scale_func = self.optimizer.scale_loss
         no_sync = [m.no_sync for m in self.model]
         cfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if a.align_param_gather:  # as Megatron-LM: the schedule dispatches the all-gathers
+            syncs = [m.start_param_sync for m in self.model]
+            cfg.param_sync_func = syncs[0] if len(syncs) == 1 else syncs
         if a.load and found is None and a.pretrained_checkpoint is None and not a.finetune:
             self.log.print(f"no checkpoint in {a.load}: training from scratch")
         elif found is not None:
@@ -199,10 +202,7 @@ class Trainer:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        from megatron_scalevec.layers import fold_cache  # noqa: PLC0415
-
-        with fold_cache.step(self.args.num_microbatches):  # the fold once per step
-            losses = self._run(iterator, forward_only=False)
+        losses = self._run(iterator, forward_only=False)
         loss = _mean_loss(losses, self.device)
         if self.args.check_for_nan_in_loss_and_grad:
             faults.check_step(self.model, loss, self.iteration + 1, self.device)
@@ -211,30 +211,50 @@ class Trainer:
             self.scheduler.step(increment=1)
         return loss, float(grad_norm or 0.0)
 
+    @contextlib.contextmanager
+    def params_synced(self):
+        """With --overlap-param-gather the parameters are gathered by forward pre-hooks of
+        the next training forward: finish the gather now and keep the hooks off inside (an
+        evaluation, a checkpoint), as Megatron-LM does."""
+        if not self.args.overlap_param_gather:
+            yield
+            return
+        for m in self.model:
+            m.disable_forward_pre_hook()  # with a synchronous all-gather
+        try:
+            yield
+        finally:
+            for m in self.model:
+                m.enable_forward_pre_hook()
+
     @torch.no_grad()
     def evaluate(self):
         if self.valid_ds is None:
             return None
-        for m in self.model:
-            m.eval()
-        it = self._iters(self.valid_ds, 0)
-        vals = [_mean_loss(self._run(it, forward_only=True), self.device)
-                for _ in range(self.args.eval_iters)]
-        for m in self.model:
-            m.train()
+        with self.params_synced():
+            for m in self.model:
+                m.eval()
+            it = self._iters(self.valid_ds, 0)
+            vals = [_mean_loss(self._run(it, forward_only=True), self.device)
+                    for _ in range(self.args.eval_iters)]
+            for m in self.model:
+                m.train()
         return sum(vals) / len(vals)
 
     def save(self):
         from megatron_scalevec.training.checkpointing import save_checkpoint  # noqa: PLC0415
         from megatron_scalevec.training.pretrained import checkpoint_files  # noqa: PLC0415
 
-        if not faults.params_finite(self.model, self.device):
-            raise faults.DivergenceError(
-                f"parameters are non-finite at iteration {self.iteration}: not writing a "
-                f"checkpoint to {self.args.save}; 'latest' still points to the last good one")
-        save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                        self.scheduler, self.consumed, self.args.scalevec_config.to_string(),
-                        self.meta, extra_files=checkpoint_files(self))
+        with self.params_synced():
+            if not faults.params_finite(self.model, self.device):
+                raise faults.DivergenceError(
+                    f"parameters are non-finite at iteration {self.iteration}: not writing a "
+                    f"checkpoint to {self.args.save}; 'latest' still points to the last good "
+                    f"one")
+            save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                            self.scheduler, self.consumed,
+                            self.args.scalevec_config.to_string(), self.meta,
+                            extra_files=checkpoint_files(self))
         self.log.print(f"saved checkpoint iteration {self.iteration} to {self.args.save}")
 
     def _record(self, loss, gnorm, window, speed, evaluate):
@@ -278,7 +298,8 @@ class Trainer:
             if evaluate or last or self.iteration % a.log_interval == 0 or self.iteration == 1:
                 rec = self._record(loss, gnorm, window, speed, evaluate)
                 window = []
-                rec.update(scale_vector_stats(self.model))
+                with self.params_synced():
+                    rec.update(scale_vector_stats(self.model))
                 self.log.write(rec)
                 self.log.print(summary.format_line(rec))
             if a.save and ((a.save_interval and self.iteration % a.save_interval == 0)

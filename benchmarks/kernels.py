@@ -13,7 +13,7 @@ Each round times every kernel once (a few calls each); a ratio is the median ove
 the ratio within a round. A step-level benchmark (tools/bench_overhead.py) on a shared CPU
 moves by a few percent; these ratios isolate the kernels from the rest of the step.
 
-Usage: python tools/bench_kernels.py [--rounds 40] [--threads 2] [--compile off]
+Usage: python -m benchmarks.kernels [--rounds 40] [--threads 2] [--compile off]
 """
 
 import argparse
@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from benchmarks.heap import keep_freed_memory
 
-from megatron_scalevec.heap import keep_freed_memory
 from megatron_scalevec.layers import fused, glu
 
 

@@ -1,4 +1,4 @@
-"""The benchmark's CPU heap keeps what it frees (megatron_scalevec/heap.py), as a caching
+"""The benchmark's CPU heap keeps what it frees (benchmarks/heap.py), as a caching
 allocator does: a step that allocates again what the previous one freed faults no pages in.
 It runs in a fresh process (the heap's state is the process's history). glibc's own choice to
 give the memory back varies from one process to the next (seen: 0 or 32,738 faults for the
@@ -12,7 +12,7 @@ import pytest
 
 _STEPS = """
 import sys, torch
-from megatron_scalevec import heap
+from benchmarks import heap
 # glibc's dynamic thresholds rise to their largest once a ~32 MiB mapped block is freed (an
 # import may do that); then only more than 64 MiB free at the heap's top may be given back
 big = torch.ones(8 * 2**20 - 1024)
@@ -30,7 +30,7 @@ print(kept, *faults)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_kept_heap_refaults_nothing():
-    root = os.path.join(os.path.dirname(__file__), "..")  # importable uninstalled, too
+    root = os.path.join(os.path.dirname(__file__), "..", "..")  # the repo root
     out = subprocess.run([sys.executable, "-c", _STEPS], capture_output=True, text=True,
                          check=True, cwd=root).stdout.split()
     kept, faults = out[0], [int(f) for f in out[1:]]

@@ -8,21 +8,19 @@ compares medians over the rounds. Memory is reported as
 * ``act``: bytes autograd saves for backward in one micro-batch (saved-tensor hooks, exact and
   deterministic on any device), where applying vectors to activations or to weights differs;
 * ``state``: parameters + gradients + Adam moments;
-* ``peak``: on a GPU, ``torch.cuda.max_memory_allocated`` of a step.
+* ``peak``: total peak memory of the variant, each in a fresh process (benchmarks/memory.py):
+  peak resident memory on CPU with freed memory returned to the system, or
+  ``torch.cuda.max_memory_allocated`` on a GPU; ``--no-memory`` skips it.
 
 Ratios are printed against megatron-core's stock spec and against our ``shared`` in one table
 (whichever of the two is among the variants). A time ratio is the median over rounds of the
 ratio within each round (paired: a slow round slows both sides), and its ``±`` is half the
-interquartile range of those per-round ratios. ``fold %`` is the share of the step spent
-folding vectors into weights, timed alone (:func:`fold_seconds`): once per optimizer step
-(layers/fold_cache.py, the default with several micro-batches) or per micro-batch (one
-micro-batch, or ``@mbfold``).
+interquartile range of those per-round ratios.
 
 A variant is ``stock``, a strategy, or ``strategy@opt[,opt]`` with ``weight`` / ``activation``
 (ScaleVecConfig.apply_mode), ``compile`` / ``eager`` (the fused DNP kernels through
-torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails),
-``dynamo`` (compiled, without the kernels compiled ahead, layers/precompiled.py) and
-``mbfold`` (ScaleVecConfig.fold_per_step=False: fold per micro-batch). ``--null`` times the
+torch.compile, or not; default: what the trainer does, compiled, eager if compiling fails).
+``--null`` times the
 baseline twice (:func:`null_builds`): the run's noise floor, printed above the table.
 ``--host`` runs every variant again at the smallest width (:func:`host_args`), where the
 arithmetic vanishes and what is left of a variant's excess is host work (Python, dispatch,
@@ -32,13 +30,13 @@ a share of the variant's excess at full width.
 
 Every variant runs the same megatron-core optimizer (clipping at ``--clip-grad``) on
 multi-tensor kernels, as GPUs do: torch's fused AdamW and torch's multi-tensor ops for the
-gradient norm and clipping (megatron_scalevec/multi_tensor.py); ``--cpu-fallbacks`` keeps
+gradient norm and clipping (benchmarks/multi_tensor.py); ``--cpu-fallbacks`` keeps
 megatron-core's per-parameter CPU fallbacks. Each round starts one variant later than the
 previous one, so no variant always runs right after the same one.
 Every variant is built ``--instances`` times (default 2), every other set in reverse order,
 and every model is timed in every round: on CPU a model's step time depends on where in the
 sequence it was built, by more than the effects measured here. On CPU the process keeps
-the heap memory it frees (megatron_scalevec/heap.py, unless ``--system-malloc``), as torch's
+the heap memory it frees (benchmarks/heap.py, unless ``--system-malloc``), as torch's
 CUDA caching allocator does; ``faults`` is the median count of minor page faults a step.
 """
 
@@ -48,13 +46,15 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 import time
 
 import torch
 
+from benchmarks import memory
+from benchmarks.heap import keep_freed_memory, minor_faults
+from benchmarks.multi_tensor import multi_tensor_adam, multi_tensor_kernels
 from megatron_scalevec import ScaleVecConfig
-from megatron_scalevec.heap import keep_freed_memory, minor_faults
-from megatron_scalevec.multi_tensor import multi_tensor_adam, multi_tensor_kernels
 
 __all__ = ["host_args", "host_report", "main", "multi_tensor_adam", "multi_tensor_kernels",
            "null_builds", "paired_diff", "paired_ratio", "parse_variant", "report", "run",
@@ -67,21 +67,18 @@ DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dn
 def parse_variant(name: str):
     """(ScaleVecConfig or None for ``stock``, fused compile mode) of a variant name."""
     strategy, _, opts = name.partition("@")
-    mode, compile_mode, per_step = "auto", "auto", True
+    mode, compile_mode = "auto", "auto"
     for opt in filter(None, opts.split(",")):
         if opt in ("weight", "activation"):
             mode = opt
-        elif opt in ("compile", "eager", "dynamo"):
-            compile_mode = {"compile": "on", "eager": "off"}.get(opt, opt)
-        elif opt == "mbfold":
-            per_step = False
+        elif opt in ("compile", "eager"):
+            compile_mode = {"compile": "on", "eager": "off"}[opt]
         else:
             raise ValueError(f"variant {name!r}: unknown option {opt!r} (expected weight, "
-                             f"activation, compile, eager, dynamo or mbfold)")
+                             f"activation, compile or eager)")
     if strategy == "stock":
         return None, compile_mode
-    return ScaleVecConfig.from_string(strategy, apply_mode=mode,
-                                      fold_per_step=per_step), compile_mode
+    return ScaleVecConfig.from_string(strategy, apply_mode=mode), compile_mode
 
 
 def saved_activation_bytes(fn) -> int:
@@ -110,63 +107,6 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _fold_sites(model) -> list:
-    """(module, FoldOps, rebuilds) of every weight fold: each grouped-experts fc1 (one batched
-    fold, no rebuild) and every other folded linear (its backward rebuilds W_eff)."""
-    from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP, _Fc1View, stacked_fold_ops
-    from megatron_scalevec.layers.linear import ScaleVecLinearMixin
-
-    sites, inside = [], set()
-    for m in model.modules():
-        if isinstance(m, ScaleVecGroupedMLP):
-            fc1 = _Fc1View(m.local_experts)
-            inside.update(id(f) for f in fc1.experts)
-            if fc1.has_scale_vectors:
-                sites.append((m, stacked_fold_ops(fc1, [f.weight for f in fc1.experts]), 0))
-    for m in model.modules():
-        if isinstance(m, ScaleVecLinearMixin) and id(m) not in inside and \
-                m.has_scale_vectors and m.scalevec_mode == "weight":
-            sites.append((m, m.fold_ops(m.weight), 1))
-    return sites
-
-
-def fold_seconds(model, cuda: bool, micro_batches: int, repeats: int = 5) -> float:
-    """Seconds one step spends on the weight folds, each as it ran in training: once per step
-    (layers/fold_cache.py: the fold, then the map back of the accumulated gradient, with the
-    accumulator's last add) or per micro-batch (micro_batches x: the fold, its rebuild in
-    backward for a linear, the map back). The same functions the layers run; not the GEMMs,
-    and not the accumulator adds of earlier micro-batches, which replace the stock layer's
-    main_grad adds of W."""
-    from megatron_scalevec.layers import fold_cache
-
-    jobs = []
-    for m, ops, rebuilds in _fold_sites(model):
-        ws = tuple(w.detach() for w in ops.weights)
-        vs = tuple(None if v is None else v.detach() for v in ops.vectors())
-        with torch.no_grad():
-            g = torch.ones_like(ops.fold(ws, vs))
-        once = fold_cache.completed_cycles(m) > 0
-        acc = torch.zeros(g.shape, dtype=torch.float32, device=g.device) if once else None
-        n = 1 if once else micro_batches
-        jobs.append((ops, ws, vs, g, acc, n * (1 + (0 if once else rebuilds)), n))
-    if not jobs:
-        return 0.0
-    times = []
-    for _ in range(repeats):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for ops, ws, vs, g, acc, folds, unfolds in jobs:
-                for _ in range(folds):
-                    ops.fold(ws, vs)
-                needs = (True,) * (len(ws) + len(vs))
-                for _ in range(unfolds):
-                    ops.unfold(g if acc is None else acc.add_(g), ws, vs, needs)
-        _sync(cuda)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def model_config(args):
     """The benchmark model's TransformerConfig (one place to add model or expert options)."""
     from megatron_scalevec.testing import models as M
@@ -184,6 +124,50 @@ def model_config(args):
     return M.tiny_config(**config_kw)
 
 
+def config_of(name: str, args):
+    """The TransformerConfig of a variant's row (``/grouped``: our grouped experts)."""
+    config = model_config(args)
+    if name.removesuffix(NULL).endswith("/grouped"):
+        config = copy.deepcopy(config)
+        config.moe_grouped_gemm = True
+    return config
+
+
+def batches(args) -> list:
+    from megatron_scalevec.testing import models as M
+
+    M.VOCAB, M.SEQ = args.vocab, args.seq_length
+    data = M.batches(args.micro_batches, args.micro_batch_size)
+    if args.device == "cuda":
+        data = [{k: v.cuda() for k, v in b.items()} for b in data]
+    return data
+
+
+def build_row(name: str, cfg, args, data) -> dict:
+    """A variant built, wrapped in DDP with its optimizer, and its memory counted."""
+    from megatron_scalevec.testing import models as M
+
+    strategy, compile_mode = parse_variant(name.removesuffix(NULL).removesuffix("/grouped"))
+    model = M.build_gpt(cfg, strategy)
+    if args.device == "cuda":
+        model = model.cuda()
+    if args.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    b = data[0]
+    act = saved_activation_bytes(
+        lambda m=model, b=b: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
+    ddp = M.wrap_ddp(model, cfg)
+    opt = M.make_optimizer(ddp, lr=1e-4, clip_grad=args.clip_grad)
+    if not args.cpu_fallbacks:
+        multi_tensor_adam(opt)
+    return dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
+                act=act, state=_state_bytes(model), times=[], faults=[], peak=None,
+                compile=compile_mode)
+
+
 def run(args) -> list:
     """Build, train and time every variant; all of them under megatron-core's multi-tensor
     stand-ins (:func:`multi_tensor_kernels`) unless ``--cpu-fallbacks``."""
@@ -192,44 +176,18 @@ def run(args) -> list:
 
 
 def _run(args) -> list:
-    from megatron.core import parallel_state
-
     from megatron_scalevec.layers import fused
     from megatron_scalevec.testing import models as M
 
     cuda = args.device == "cuda"
-    M.VOCAB, M.SEQ = args.vocab, args.seq_length
-    config = model_config(args)
-    data = M.batches(args.micro_batches, args.micro_batch_size)
-    if cuda:
-        data = [{k: v.cuda() for k, v in b.items()} for b in data]
-    grouped = copy.deepcopy(config)  # --grouped-gemm: our grouped experts (stock has none)
-    grouped.moe_grouped_gemm = True
-    builds = [(name, config) for name in args.variants]
+    data = batches(args)
+    builds = [(name, config_of(name, args)) for name in args.variants]
     if args.grouped_gemm and args.num_experts:
-        builds += [(f"{n}/grouped", grouped) for n in args.variants if n != "stock"]
+        builds += [(f"{n}/grouped", config_of(f"{n}/grouped", args))
+                   for n in args.variants if n != "stock"]
     builds += null_builds(builds, args.baseline) if args.null else []
-    rows = []
-    for name, cfg in _build_order(builds, args.instances):
-        strategy, compile_mode = parse_variant(name.removesuffix(NULL).removesuffix("/grouped"))
-        model = M.build_gpt(cfg, strategy)
-        if cuda:
-            model = model.cuda()
-        if args.bf16:
-            from megatron.core.transformer.module import Float16Module
-
-            model = Float16Module(cfg, model)
-        n_params = sum(p.numel() for p in model.parameters())
-        b = data[0]
-        act = saved_activation_bytes(
-            lambda m=model, b=b: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
-        ddp = M.wrap_ddp(model, cfg)
-        opt = M.make_optimizer(ddp, lr=1e-4, clip_grad=args.clip_grad)
-        if not args.cpu_fallbacks:
-            multi_tensor_adam(opt)
-        rows.append(dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,
-                         act=act, state=_state_bytes(model), times=[], faults=[],
-                         peak=None, compile=compile_mode))
+    rows = [build_row(name, cfg, args, data) for name, cfg in
+            _build_order(builds, args.instances)]
     saved_mode = fused.compile_mode()
     for _ in range(args.warmup):
         for r in rows:
@@ -239,22 +197,14 @@ def _run(args) -> list:
         # Each round starts one variant later: none always runs right after the same one.
         for r in rows[i % len(rows):] + rows[:i % len(rows)]:
             fused.set_compile(r["compile"])
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            _sync(cuda)
             f0, t0 = minor_faults(), time.perf_counter()
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
-            if cuda:
-                torch.cuda.synchronize()
-                r["peak"] = torch.cuda.max_memory_allocated()
+            _sync(cuda)
             r["times"].append(time.perf_counter() - t0)
             r["faults"].append(minor_faults() - f0)
     rows = _merge_instances(rows)
-    for r in rows:  # the fold as the variant trained it: compiled, or eager (@eager)
-        fused.set_compile(r["compile"])
-        r["fold"] = fold_seconds(r["model"], cuda, args.micro_batches)
     fused.set_compile(saved_mode)
-    del parallel_state
     return rows
 
 
@@ -366,12 +316,11 @@ def report(rows, base_name: str) -> str:
     head = ["variant", "params", "+params", "step ms", "spread"]
     head += [f"time/{n}" for n in refs] + [f"± vs {base['name']}", "act MiB"]
     head += [f"act/{n}" for n in refs]
-    head += ["state ratio", "fold %", "faults", "peak ratio"]
+    head += ["state ratio", "faults", "peak MiB"] + [f"peak/{n}" for n in refs]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = med[r["name"]]
         spread = 2 * _half_iqr(r["times"]) / m
-        peak = (f"{r['peak'] / base['peak']:.3f}" if r["peak"] and base["peak"] else "n/a")
         extra = (r["params"] - base["params"]) / base["params"]
         cells = [r["name"], f"{r['params']:,}", f"{extra:.2e}", f"{m * 1e3:.1f}",
                  f"±{spread * 50:.1f}%"]
@@ -379,8 +328,10 @@ def report(rows, base_name: str) -> str:
         cells += [f"±{paired_ratio(r['runs'], base['runs'])[1]:.3f}",
                   f"{r['act'] / 2**20:.1f}"]
         cells += [f"{r['act'] / by[n]['act']:.3f}" for n in refs]
-        cells += [f"{r['state'] / base['state']:.4f}", f"{100 * r['fold'] / m:.2f}",
-                  f"{statistics.median(r['faults']):.0f}", peak]
+        cells += [f"{r['state'] / base['state']:.4f}", f"{statistics.median(r['faults']):.0f}",
+                  f"{r['peak'] / 2**20:.0f}" if r["peak"] else "n/a"]
+        cells += [f"{r['peak'] / by[n]['peak']:.3f}" if r["peak"] and by[n]["peak"] else "n/a"
+                  for n in refs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -421,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", action="store_true",
                    help="also run every variant at the smallest width and print each one's "
                         "excess there (host work) and its share of the full-width excess")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the total peak memory of each variant (a fresh process each)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--instances", type=int, default=2,
@@ -429,12 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "every round")
     p.add_argument("--system-malloc", action="store_true",
                    help="CPU: leave glibc's malloc as it is (default: keep freed heap memory, "
-                        "as a caching allocator does; megatron_scalevec/heap.py)")
+                        "as a caching allocator does; benchmarks/heap.py)")
     return p
 
 
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+def setup(args, keep_heap: bool) -> str:
+    """Threads, the CPU layer, a one-rank process group and megatron-core's parallel state;
+    returns how the CPU heap is run (``kept``: benchmarks/heap.py)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     heap = "system"
@@ -442,7 +396,7 @@ def main(argv=None) -> None:
         from megatron_scalevec.compat.cpu import enable_cpu_compat
 
         enable_cpu_compat()
-        if not args.system_malloc and keep_freed_memory():
+        if keep_heap and not args.system_malloc and keep_freed_memory():
             heap = "kept"
     import os
 
@@ -465,7 +419,18 @@ def main(argv=None) -> None:
         torch.cuda.set_device(0)
     init_model_parallel()
     model_parallel_cuda_manual_seed(1)
+    return heap
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    heap = setup(args, keep_heap=True)
     rows = run(args)
+    if not args.no_memory:
+        peaks = memory.peaks([r["name"] for r in rows], argv)
+        for r in rows:
+            r["peak"] = peaks[r["name"]]
     print(f"device={args.device} bf16={args.bf16} threads={torch.get_num_threads()} "
           f"layers={args.num_layers} hidden={args.hidden_size} ffn={args.ffn_hidden_size} "
           f"experts={args.num_experts} seq={args.seq_length} mbs={args.micro_batch_size} "
@@ -473,12 +438,9 @@ def main(argv=None) -> None:
           f"instances={args.instances} heap={heap}")
     print(report(rows, args.baseline))
     if args.host:  # a run of its own: its kernels compile afresh for its shapes
-        from megatron_scalevec.layers import fused
-
         torch._dynamo.reset()
-        fused._COMPILED.clear()
         print(host_report(rows, run(host_args(args)), args.baseline))
-    dist.destroy_process_group()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
