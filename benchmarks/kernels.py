@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
-from benchmarks.heap import keep_freed_memory
 
+from benchmarks.heap import keep_freed_memory
 from megatron_scalevec.layers import fused, glu
 
 

@@ -2,7 +2,6 @@
 reference, and ``auto`` falls back to eager, once and with one warning, where compiling fails."""
 
 import contextlib
-import types
 import warnings
 
 import pytest
@@ -143,7 +142,7 @@ def test_auto_falls_back_to_eager_once(monkeypatch):
 
 
 def test_bad_mode_is_one_clear_error(monkeypatch):
-    with pytest.raises(ValueError, match="auto, on, off or dynamo"):
+    with pytest.raises(ValueError, match="auto, on or off"):
         fused.set_compile("yes")
     monkeypatch.setitem(fused._STATE, "compile", "fast")  # as from the environment
     with pytest.raises(ValueError, match="MEGATRON_SCALEVEC_FUSED_COMPILE"):
@@ -151,8 +150,8 @@ def test_bad_mode_is_one_clear_error(monkeypatch):
 
 
 def test_compiled_fold_maps_match_eager():
-    """The weight folds' maps back (a linear's, the grouped experts' batched one) and the
-    batched fold, compiled with static shapes, equal their eager bodies at two layouts each
+    """The weight folds' maps back (a linear's, the grouped experts' batched one), compiled
+    with static shapes, equal their eager bodies at two layouts each
     (a model has a few weight shapes), in one graph each."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
@@ -169,14 +168,11 @@ def test_compiled_fold_maps_match_eager():
         layout = (2, 3, rows // 2)  # linear: 2 groups of 3 slots
         lw, lg = torch.randn(2, 6 * (rows // 2), width).unbind(0)
         lrow, lcol = torch.rand(3, rows // 2) + 0.5, torch.rand(3, width) + 0.5
-        fc1 = types.SimpleNamespace(groups=1, slots=["gate", "up"], rows=rows)  # the layout
         cases = [  # (compiled, eager, arguments)
             (grouped.stacked_fold_backward, grouped._stacked_fold_backward,
              (g, ws, col, row, 1, (True, True))),
             (linear.fold_backward, linear._fold_backward,
-             (lg, lw, lrow, lcol, layout, (True,) * 3)),
-            (lambda *a: (grouped.stacked_fold_ops(a[2], a[0]).fold(*a[:2]),),
-             lambda *a: (grouped.stacked_fold(a[0], *a[1], 1),), (ws, (col, row), fc1))]
+             (lg, lw, lrow, lcol, layout, (True,) * 3))]
         for compiled, eager, args in cases:
             with _mode("on"):
                 got = compiled(*args)
@@ -184,163 +180,5 @@ def test_compiled_fold_maps_match_eager():
             assert len(got) == len(ref)
             for a, b in zip(got, ref):
                 assert _rel(a, b) < 1e-5, (seed, _rel(a, b))
-    assert len(fused._COMPILED) == 3, list(fused._COMPILED)
+    assert len(fused._COMPILED) == 2, list(fused._COMPILED)
     assert not counters["graph_break"], dict(counters["graph_break"])
-
-
-def test_static_kernels_compile_ahead_per_layout_and_fall_back():
-    """A fixed-shape kernel runs compiled ahead for each input layout (shapes, strides and
-    constants) without dynamo, equal to its body; dynamo (the fallback) takes the calls
-    beyond its layout limit, the calls with an input requiring grad, every call once new
-    layouts keep coming, and every call of a function that does not trace (a branch on
-    values), after one warning."""
-    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
-
-    def fn(x, scale, flag, none):  # a nested result with a None in it
-        return (x * scale + flag, None), x.square().sum(-1)
-
-    seen = []
-    k = StaticKernel(fn, lambda *a: seen.append(a[0].shape) or fn(*a), layouts=2)
-    x = torch.randn(4, 8)
-    for scale in (2.0, 2.0, 3.0):  # a constant is part of the layout
-        (y, none), s = k(x, scale, True, None)
-        (ry, _), rs = fn(x, scale, True, None)
-        assert none is None and _rel(y, ry) < 1e-6 and _rel(s, rs) < 1e-6, scale
-    assert len(k.compiled) == 2 and not seen
-    k(torch.randn(8, 4).t(), 2.0, True, None)  # a third layout (strides only): past the limit
-    with torch.enable_grad():
-        k(x.requires_grad_(), 2.0, True, None)  # autograd needs the traced path
-    assert len(k.compiled) == 2 and seen == [(4, 8), (4, 8)], seen
-    for rows in range(9, 17):  # ever new shapes, beyond the limit: it stops looking up
-        assert not k.failed
-        k(torch.randn(rows, 8), 2.0, True, None)
-    assert k.failed and len(seen) == 10
-
-    def branchy(x):
-        return x * 2 if bool(x.sum() > 0) else x
-
-    calls = []
-    k = StaticKernel(branchy, lambda x: calls.append(1) or branchy(x))
-    with pytest.warns(UserWarning, match="precompiling branchy failed"):
-        assert k(torch.ones(3)).equal(torch.full((3,), 2.0))
-    assert k.failed and len(calls) == 1 and k(-torch.ones(3)).equal(-torch.ones(3))
-
-
-def test_static_kernel_lookup_reads_layouts_past_torch_function_modes():
-    """A warm call's layout lookup reads its tensors' metadata with torch-function dispatch
-    off: a mode in the caller's context (the CPU layer's device mode, here a counter) sees
-    none of it (under the CPU layer each read cost ~3 us). An argument of another kind than
-    tensors, plain tuples and lists and plain constants (a NamedTuple here) goes to the
-    fallback rather than into the key, where its tensors would hash by identity."""
-    from typing import NamedTuple  # noqa: PLC0415
-
-    from torch.overrides import TorchFunctionMode  # noqa: PLC0415
-
-    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
-
-    class Counter(TorchFunctionMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.calls.append(getattr(func, "__name__", str(func)))
-            return func(*args, **(kwargs or {}))
-
-    def fn(x, pair, scale):
-        return x * scale + pair[0] * pair[1]
-
-    served = []
-    k = StaticKernel(fn, lambda *a: served.append(a) or fn(*a))
-    x, y = torch.randn(4, 8), torch.randn(8)
-    k(x, (y, y), 2.0)  # compiles this layout
-    counter = Counter()
-    with torch.no_grad(), counter:  # as the kernels' autograd Functions and the folds run
-        out = k(x, (y, y), 2.0)
-    assert not counter.calls, counter.calls
-    assert _rel(out, fn(x, (y, y), 2.0)) < 1e-6 and not served
-
-    class Pair(NamedTuple):
-        a: torch.Tensor
-        b: torch.Tensor
-
-    for scale in (2.0, 3.0):
-        assert _rel(k(x, Pair(y, y + scale), scale), fn(x, (y, y + scale), scale)) < 1e-6
-    assert len(served) == 2 and len(k.compiled) == 1 and not k.failed
-
-
-def test_static_kernels_compile_without_size_asserts(monkeypatch):
-    """A static kernel compiles with inductor's input size asserts off (its lookup has
-    matched every input's layout already), and only its own compile: the setting is back on
-    afterwards."""
-    from torch._inductor import config as inductor_config  # noqa: PLC0415
-
-    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
-
-    seen, compile_ = [], torch._inductor.standalone_compile
-
-    def recording(*args, **kwargs):
-        seen.append(inductor_config.size_asserts)
-        return compile_(*args, **kwargs)
-
-    monkeypatch.setattr(torch._inductor, "standalone_compile", recording)
-    k = StaticKernel(lambda x: x * 2 + 1, None)
-    x = torch.randn(3, 5)
-    assert _rel(k(x), x * 2 + 1) < 1e-6 and len(k.compiled) == 1
-    assert seen == [False] and inductor_config.size_asserts
-
-
-def test_dynamo_mode_compiles_without_the_static_kernels():
-    """``dynamo`` (the benchmark's ``@dynamo``) compiles through torch.compile alone; ``on``
-    puts the fixed-shape kernels on the ahead-compiled path."""
-    from megatron_scalevec.bench import parse_variant  # noqa: PLC0415
-    from megatron_scalevec.layers.precompiled import StaticKernel  # noqa: PLC0415
-
-    assert parse_variant("unified@dynamo")[1] == "dynamo"
-    kinds = {}
-    for mode in ("on", "dynamo"):
-        fused._COMPILED.clear()
-        with _mode(mode):
-            kinds[mode] = (type(fused._kernel(torch.sin, None, dynamic=False)),
-                           type(fused._kernel(torch.cos, None, ahead=fused.AHEAD)))
-    assert kinds["on"] == (StaticKernel, StaticKernel), kinds
-    assert StaticKernel not in kinds["dynamo"], kinds
-    fused._COMPILED.clear()
-
-
-def test_glu_kernels_varying_rows_retire_only_their_own_site(monkeypatch):
-    """A sequential expert's GLU (a new row count every call) goes to dynamo without touching
-    the kernels compiled ahead, and grouped experts whose row counts vary (expert
-    parallelism) retire only their own: a dense GLU in the same model keeps its compiled
-    layout. (With one shared kernel, a MoE benchmark's sequential `unified` retired the
-    grouped experts' and they paid dynamo's dynamic-shape kernels: 1.2 ms a GLU.)"""
-    from megatron_scalevec.layers import precompiled  # noqa: PLC0415
-
-    monkeypatch.setattr(glu, "AHEAD", 1)
-    monkeypatch.setattr(precompiled, "RETIRE", 0)  # retired at the first miss
-    f = 12
-    a = (1 + 0.3 * torch.randn(f)).requires_grad_()
-    a_e = (1 + 0.3 * torch.randn(3, f)).requires_grad_()
-
-    def call(rows, experts=None, rows_vary=False):
-        z = torch.randn(rows, 2 * f, requires_grad=True)
-        vec = a if experts is None else a_e
-        h = glu.glu_norm(z, vec, vec, F.silu, gated=True, normalization="RMSNorm", eps=1e-5,
-                         experts=experts, rows_vary=rows_vary)
-        h.sum().backward()
-
-    def static(site):
-        return [k for (fn, _, ahead, s), k in fused._COMPILED.items()
-                if s == site and ahead and fn in (glu._glu_local_fwd, glu._glu_local_bwd)]
-
-    fused._COMPILED.clear()
-    with _mode("on"):
-        call(16)  # dense: compiled ahead for its one layout
-        for rows in (5, 9, 14):  # sequential experts
-            call(rows, rows_vary=True)
-        for counts in ([4, 0, 6], [3, 8, 2]):  # grouped experts, counts varying
-            call(sum(counts), experts=glu.expert_rows(counts))
-        call(16)
-    dense, grouped = static(""), static("experts")
-    assert len(dense) == 2 and all(len(k.compiled) == 1 and not k.failed for k in dense)
-    assert len(grouped) == 2 and all(k.failed for k in grouped)

@@ -372,24 +372,6 @@ def test_grouped_gemm_spec():
         moe_spec(cfg, num_experts=0)
 
 
-def _rows_vary(rank, world):
-    from megatron_scalevec.layers.mlp import ScaleVecMLP
-
-    init_model_parallel()
-    model = M.build_gpt(moe_config(moe_shared_expert_intermediate_size=40), "unified")
-    return {n: m.rows_vary for n, m in model.named_modules() if isinstance(m, ScaleVecMLP)}
-
-
-def test_only_sequential_experts_declare_varying_rows():
-    """A sequential expert's GLU norm skips the kernels compiled ahead (its row count changes
-    every call: tests/test_fused_compile.py); a dense layer's or shared expert's does not."""
-    found = run_on_ranks(_rows_vary, 1)[0]
-    experts = {n: v for n, v in found.items() if ".local_experts." in n}
-    others = {n: v for n, v in found.items() if n not in experts}
-    assert experts and all(experts.values()), experts
-    assert others and not any(others.values()), others
-
-
 # ---------------------------------------------------------------- parameter count
 COUNT_SHAPE = dict(num_layers=2, hidden=32, heads=4, query_groups=2, head_dim=8, ffn=64,
                    num_experts=EXPERTS, moe_ffn=24, shared_ffn=40, moe_layers=[1, 0])

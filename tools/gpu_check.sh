@@ -2,8 +2,9 @@
 # GPU check: one prepared run of at most 8 minutes on one H200 (Python 3.12, torch 2.11 CUDA 13,
 # no megatron-core or Transformer Engine preinstalled; TE is not used):
 #   1. grouped-GEMM experts equal sequential experts on CUDA (bf16; tools/grouped_check.py);
-#   2. the overhead table in bf16 on a 1B-class dense stack, each variant vs stock megatron-core
-#      and vs our `shared` (step time, saved activations, torch.cuda.max_memory_allocated);
+#   2. the overhead table in bf16 on a 1B-class dense stack at 4k and 8k tokens per micro-batch,
+#      each variant vs stock megatron-core and vs our `shared` (step time, saved activations,
+#      total peak torch.cuda.max_memory_allocated);
 #   3. the same on a fine-grained MoE (64 experts of width 384, top-8), sequential and grouped
 #      experts (rows VARIANT/grouped; stock has no grouped experts without TE).
 # megatron-core's cp312 wheel must be carried in .whl/ (device tool README: carry [".whl"]):
@@ -26,40 +27,26 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'mcore', \
 m.__version__)" | tee -a "$OUT/gpu.txt"
 
-# Adds "vs shared" columns (step time, peak memory) to a bench table whose baseline is stock.
-vs_shared() {
-  awk -F'|' '
-    /^\| variant/ { for (j = 2; j < NF; j++) { h = $j; gsub(/^ +| +$/, "", h); col[h] = j }; next }
-    /^\| / && $2 !~ /---/ { n++; name[n] = $2; med[n] = $(col["step ms"]) + 0
-                            tstock[n] = $(col["time/stock"]); peak[n] = $(col["peak ratio"]) + 0 }
-    { if (!/^\|/) print }
-    END {
-      for (i = 1; i <= n; i++) if (name[i] ~ /^ shared $/) { s = med[i]; p = peak[i] }
-      print "| variant | step ms | time vs stock | time vs shared | peak vs stock | peak vs shared |"
-      print "|---|---|---|---|---|---|"
-      for (i = 1; i <= n; i++)
-        printf "|%s| %.1f |%s| %.3f | %s | %s |\n", name[i], med[i], tstock[i], med[i] / s,
-               (peak[i] > 0) ? sprintf("%.3f", peak[i]) : "n/a",
-               (p > 0 && peak[i] > 0) ? sprintf("%.3f", peak[i] / p) : "n/a"
-    }'
-}
-
 # 1. equality of the grouped experts on CUDA (bf16 GEMMs: tolerance 5e-2 relative).
 timeout 100 python3 tools/grouped_check.py --device cuda --bf16 --experts 16 \
   2>&1 | tee "$OUT/grouped_check.txt"
 
 VARIANTS="stock shared hg hg+dnp unified"
-# 2. 1B-class dense layers (Llama-like: h=2048, 16 heads, 4 KV groups, ffn 5632), 4 of them.
-timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 \
-  --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 5632 \
-  --seq-length 2048 --micro-batch-size 2 --micro-batches 2 --vocab 32000 --warmup 3 \
-  --repeats 10 --instances 1 --variants $VARIANTS --baseline stock 2>&1 | tee "$OUT/bench_dense.md"
-vs_shared < "$OUT/bench_dense.md" | tee "$OUT/bench_dense_vs_shared.md"
+# Each table has time, saved activations and total peak memory (max_memory_allocated, a fresh
+# process per variant) against stock and against our shared (benchmarks/overhead.py).
+# 2. 1B-class dense layers (Llama-like: h=2048, 16 heads, 4 KV groups, ffn 5632), 4 of them,
+#    at 4k and 8k tokens per micro-batch (the fold's share, docs/benchmarks.md).
+for tokens in 4096 8192; do
+  timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 \
+    --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 5632 \
+    --seq-length "$tokens" --micro-batch-size 1 --micro-batches 4 --vocab 32000 --warmup 3 \
+    --repeats 10 --instances 1 --null --variants $VARIANTS --baseline shared 2>&1 \
+    | tee "$OUT/bench_dense_$tokens.md"
+done
 
 # 3. fine-grained MoE: 64 experts, top-8, expert width 3072 / 8 = 384; grouped rows too.
 timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 \
   --hidden-size 1024 --num-attention-heads 16 --num-query-groups 4 --ffn-hidden-size 3072 \
   --num-experts 64 --topk 8 --grouped-gemm --seq-length 2048 --micro-batch-size 2 \
-  --micro-batches 2 --vocab 32000 --warmup 3 --repeats 10 --instances 1 --variants $VARIANTS \
-  --baseline stock 2>&1 | tee "$OUT/bench_moe.md"
-vs_shared < "$OUT/bench_moe.md" | tee "$OUT/bench_moe_vs_shared.md"
+  --micro-batches 4 --vocab 32000 --warmup 3 --repeats 10 --instances 1 --variants $VARIANTS \
+  --baseline shared 2>&1 | tee "$OUT/bench_moe.md"

@@ -8,13 +8,14 @@ no full-size tensor that the stock layer does not keep already.
 * ``glu_norm`` (layers/glu.py): the FFN-width norms of gate and up fused with the GLU, on the
   same machinery.
 
-The element-wise bodies are plain tensor functions, run eagerly or through ``torch.compile``
-(``set_compile``, or ``MEGATRON_SCALEVEC_FUSED_COMPILE`` in the environment). ``auto`` compiles
-on CPU and CUDA: the benchmark measured it faster on both (eager unified +15% step time vs
-``shared`` on CPU, compiled +5%). The tests set ``off`` (compiling every shape of every test
-costs more than the tests). Where inductor cannot compile (no C++ compiler), ``auto`` falls back
-to eager once, with one warning. ``reference()`` switches every call to the autograd composite
-it replaces: the tests compare the two.
+The element-wise bodies are plain tensor functions, run eagerly or through ``torch.compile``,
+one compiled function per kernel body (``set_compile``, or ``MEGATRON_SCALEVEC_FUSED_COMPILE``
+in the environment: the one switch). ``auto`` compiles on CPU and CUDA: the benchmark measured
+it faster on both (eager unified +15% step time vs ``shared`` on CPU, compiled +5%). The tests
+set ``off`` (compiling every shape of every test costs more than the tests). Where inductor
+cannot compile (no C++ compiler), ``auto`` falls back to eager once, with one warning.
+``reference()`` switches every call to the autograd composite it replaces: the tests compare
+the two.
 """
 
 from __future__ import annotations
@@ -26,25 +27,20 @@ from typing import Optional
 
 import torch
 
-from megatron_scalevec.layers.precompiled import MAX_LAYOUTS, StaticKernel
-
 _ENV = "MEGATRON_SCALEVEC_FUSED_COMPILE"
 _STATE = {"compile": os.environ.get(_ENV, "auto"), "reference": False, "broken": False}
 _COMPILED: dict = {}
-AHEAD = 2  # layouts compiled ahead for the token-shaped kernels (a run's train and eval)
 
 
 def set_compile(mode: str) -> None:
-    """``auto`` (compiled on CUDA tensors), ``on`` or ``off``; ``dynamo``: compiled, but
-    through torch.compile alone, without the kernels compiled ahead (the benchmark's
-    ``@dynamo``, to measure what those save)."""
+    """``auto`` (compiled; eager once compiling has failed), ``on`` or ``off``."""
     _check_mode(mode, "fused compile mode")
     _STATE["compile"] = mode
 
 
 def _check_mode(mode: str, what: str) -> None:
-    if mode not in ("auto", "on", "off", "dynamo"):
-        raise ValueError(f"{what} must be auto, on, off or dynamo, got {mode!r}")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"{what} must be auto, on or off, got {mode!r}")
 
 
 def compile_mode() -> str:
@@ -66,23 +62,16 @@ def use_reference() -> bool:
     return _STATE["reference"]
 
 
-def _kernel(fn, x: torch.Tensor, dynamic: Optional[bool] = None, ahead: Optional[int] = None,
-            site: str = ""):
-    """``fn`` compiled (or not) as set_compile says; ``dynamic=False`` for functions whose
-    shapes are the weights' (a few per model), never a token count. The first ``ahead``
-    input layouts (default: 8 with ``dynamic=False``, else none) are compiled ahead and
-    called without dynamo (layers/precompiled.py); a training run meets one or two. Each
-    ``site`` (a kind of caller) has its own: one whose shapes vary retires only its own."""
+def _kernel(fn, dynamic: Optional[bool] = None):
+    """``fn`` through ``torch.compile`` (or not) as set_compile says; ``dynamic=False`` for
+    functions whose shapes are the weights' (a few per model), never a token count."""
     mode = _STATE["compile"]
     _check_mode(mode, f"{_ENV} / fused compile mode")
     if mode == "off" or (mode == "auto" and _STATE["broken"]):
         return fn
-    ahead = (MAX_LAYOUTS if dynamic is False else 0) if ahead is None else ahead
-    ahead = 0 if mode == "dynamo" else ahead
-    key = (fn, dynamic, ahead, site)
+    key = (fn, dynamic)
     if key not in _COMPILED:
-        compiled = _guarded(fn, torch.compile(fn, dynamic=dynamic))
-        _COMPILED[key] = StaticKernel(fn, compiled, ahead) if ahead else compiled
+        _COMPILED[key] = _guarded(fn, torch.compile(fn, dynamic=dynamic))
     return _COMPILED[key]
 
 
@@ -172,7 +161,7 @@ def _head_bwd(dy, out, rstd, a, cos, sin, layer: bool, interleaved: bool):
 class _HeadNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, cos, sin, eps, layer, interleaved):
-        out, rstd = _kernel(_head_fwd, x)(x, a, cos, sin, eps, layer, interleaved)
+        out, rstd = _kernel(_head_fwd)(x, a, cos, sin, eps, layer, interleaved)
         ctx.save_for_backward(out, rstd, a, cos, sin)
         ctx.layer, ctx.interleaved = layer, interleaved
         return out
@@ -180,7 +169,7 @@ class _HeadNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         out, rstd, a, cos, sin = ctx.saved_tensors
-        dx, da = _kernel(_head_bwd, dy)(dy, out, rstd, a, cos, sin, ctx.layer, ctx.interleaved)
+        dx, da = _kernel(_head_bwd)(dy, out, rstd, a, cos, sin, ctx.layer, ctx.interleaved)
         return dx.to(out.dtype), da, None, None, None, None, None
 
 
@@ -240,7 +229,7 @@ def _per_slot(rope):
 class _QKVNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed, a_q, a_k, a_v, rope_q, rope_k, eps, layer, interleaved, qpg):
-        kernel = _kernel(_qkv_fwd, mixed, ahead=AHEAD)
+        kernel = _kernel(_qkv_fwd)
         q, k, v, rq, rk, rv = kernel(mixed, a_q, a_k, a_v, rope_q, rope_k, eps, layer,
                                      interleaved, qpg)
         ctx.save_for_backward(q, k, v, rq, rk, rv, a_q, a_k, a_v,
@@ -253,7 +242,7 @@ class _QKVNorm(torch.autograd.Function):
         *saved, cq, sq, ck, sk = ctx.saved_tensors
         rope_q = None if cq is None else (cq, sq)
         rope_k = None if ck is None else (ck, sk)
-        kernel = _kernel(_qkv_bwd, dq, ahead=AHEAD)
+        kernel = _kernel(_qkv_bwd)
         dx, daq, dak, dav = kernel(dq, dk, dv, *saved, rope_q, rope_k, ctx.layer,
                                    ctx.interleaved, ctx.qpg)
         return dx, daq, dak, dav, None, None, None, None, None, None

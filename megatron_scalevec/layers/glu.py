@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from megatron_scalevec import sharding
 from megatron_scalevec.layers.fused import (
-    AHEAD,
     _kernel,
     _layer_norm,
     _norm_reference,
@@ -101,7 +100,7 @@ def _glu_sums(z, mean, gated: bool):
 def _glu_stats(z, gated, layer, eps, group, n, kernel=None):
     """(mean or None, rstd) per row and part, over the logical width n; ``kernel`` runs the
     row sums (default: _glu_sums, compiled as set_compile says)."""
-    kernel = kernel or _kernel(_glu_sums, z)
+    kernel = kernel or _kernel(_glu_sums)
     mean = None
     if layer:
         mean = sharding.all_reduce_sum(kernel(z, None, gated), group) / n
@@ -224,16 +223,15 @@ def _per_expert(keys, a_g, a_u, dz, da_g, da_u):
 
 class _GLUNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys, site):
+    def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys):
         ctx.local = sharding.group_size(group) == 1 and n == _width(z, gated)
-        ctx.site = site
         _static_widths(z, a_g, a_u)
         if ctx.local:  # statistics and output in one kernel
-            kernel = _local_kernel(_glu_local_fwd, z, site)
+            kernel = _kernel(_glu_local_fwd)
             h, mean, rstd = kernel(z, a_g, a_u, ids, act, gated, layer, eps)
         else:
             mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
-            h = _kernel(_glu_split_fwd, z)(z, mean, rstd, a_g, a_u, ids, act, gated)
+            h = _kernel(_glu_split_fwd)(z, mean, rstd, a_g, a_u, ids, act, gated)
         ctx.save_for_backward(z, mean, rstd, a_g, a_u, ids, spans, keys)
         ctx.act, ctx.gated, ctx.group, ctx.n = act, gated, group, n
         return h
@@ -244,26 +242,12 @@ class _GLUNorm(torch.autograd.Function):
         args = (dh, z, mean, rstd, a_g, a_u, ids, spans, keys, ctx.act, ctx.gated)
         _static_widths(dh, z, a_g, a_u)
         if ctx.local:  # row sums and gradients in one kernel
-            dz, da_g, da_u = _local_kernel(_glu_local_bwd, z, ctx.site)(*args)
+            dz, da_g, da_u = _kernel(_glu_local_bwd)(*args)
         else:
-            kernel = _kernel(_glu_split_bwd, z)
+            kernel = _kernel(_glu_split_bwd)
             dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
             dz, da_g, da_u = kernel(*args, dots)
-        return dz, da_g, da_u, *(None,) * 10
-
-
-VARYING = "varying"  # a sequential expert's GLU: a new row count every call
-
-
-def _site(ids, rows_vary: bool) -> str:
-    """The kind of caller, whose kernels compiled ahead are its own: grouped experts (``ids``:
-    each row's expert; their row count varies with expert parallelism), dense GLUs (theirs
-    never does), or :data:`VARYING` (none compiled ahead)."""
-    return VARYING if rows_vary else "" if ids is None else "experts"
-
-
-def _local_kernel(fn, z, site: str):
-    return _kernel(fn, z, ahead=0 if site == VARYING else AHEAD, site=site)
+        return dz, da_g, da_u, *(None,) * 9
 
 
 def _rows(ids, *vectors):
@@ -275,14 +259,11 @@ def _rows(ids, *vectors):
 
 
 def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, group=None,
-             width: Optional[int] = None, experts: Optional[ExpertRows] = None,
-             rows_vary: bool = False):
+             width: Optional[int] = None, experts: Optional[ExpertRows] = None):
     """``act(a_g N(gate)) * a_u N(up)`` (``act(a_u N(z))`` when not gated); ``z`` = fc1's
     local output, ``[gate, up]`` halves; N over ``width`` (the logical FFN width). With
     ``experts`` (grouped experts: the rows of each expert, :func:`expert_rows`) ``a_g``,
-    ``a_u`` are [E, f], one vector per expert. ``rows_vary`` (a sequential expert: a new
-    row count every call): straight to torch.compile's dynamic shapes, for no layout
-    compiled ahead would serve it twice."""
+    ``a_u`` are [E, f], one vector per expert."""
     layer = _layer_norm(normalization)
     n = width or _width(z, gated) * sharding.group_size(group)
     ids, spans, keys = experts if experts is not None else (None, None, None)
@@ -293,5 +274,4 @@ def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, g
         if not gated:
             return act(nu)
         return act((_norm_reference(gate, layer, eps, group, n) * a_g).to(z.dtype)) * nu
-    return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys,
-                          _site(ids, rows_vary))
+    return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys)

@@ -113,7 +113,7 @@ def stacked_fold_backward(grad, weights, col, row, groups, needs) -> tuple:
     """Gradients of (col, row, *weights) from dL/dW_eff [E, out, in] (``needs``: which);
     the weights' in their dtype (``grad`` may be an fp32 accumulation). Compiled as
     layers/fused.py's kernels, with the weights' static shapes (the products fused)."""
-    return fused._kernel(_stacked_fold_backward, grad, dynamic=False)(
+    return fused._kernel(_stacked_fold_backward, dynamic=False)(
         grad, tuple(weights), col, row, groups, needs)
 
 

@@ -81,8 +81,8 @@ def fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:
     dW = G * scale, d col[s, j] = sum_{g,i} G W row[s, i], d row[s, i] = sum_{g,j} G W col[s, j].
     dW in W's dtype; G may be an fp32 accumulation. Compiled as layers/fused.py's kernels, so
     the products are fused rather than each a pass over the weight (static shapes: W's)."""
-    return fused._kernel(_fold_backward, g_eff, dynamic=False)(g_eff, weight, row, col,
-                                                               layout, needs)
+    return fused._kernel(_fold_backward, dynamic=False)(g_eff, weight, row, col, layout,
+                                                        needs)
 
 
 def _fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:

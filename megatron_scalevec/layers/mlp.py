@@ -37,7 +37,6 @@ class ScaleVecMLP(MLP):
             MLP, is_expert=is_expert, input_size=input_size, ffn_hidden_size=ffn_hidden_size,
             tp_group=tp_group, name=name))
         self.scalevec = scalevec
-        self.rows_vary = is_expert  # a sequential expert: its token count changes every call
         self.gate_norm = self.up_norm = None
         if not scalevec.dnp:
             return
@@ -63,8 +62,7 @@ class ScaleVecMLP(MLP):
         h = glu.glu_norm(h, self.gate_norm.vector() if gated else None, norm.vector(),
                          self.config.activation_func, gated=gated,
                          normalization=norm.normalization, eps=norm.eps,
-                         group=norm.split_group, width=norm.global_size,
-                         rows_vary=self.rows_vary)
+                         group=norm.split_group, width=norm.global_size)
         if per_token_scale is not None:
             h = (h * per_token_scale.unsqueeze(-1)).to(h.dtype)
         out, out_bias = self.linear_fc2(h)
