@@ -100,7 +100,7 @@ def _glu_sums(z, mean, gated: bool):
 def _glu_stats(z, gated, layer, eps, group, n, kernel=None):
     """(mean or None, rstd) per row and part, over the logical width n; ``kernel`` runs the
     row sums (default: _glu_sums, compiled as set_compile says)."""
-    kernel = kernel or _kernel(_glu_sums)
+    kernel = kernel or _rows_kernel(_glu_sums, z)
     mean = None
     if layer:
         mean = sharding.all_reduce_sum(kernel(z, None, gated), group) / n
@@ -227,11 +227,11 @@ class _GLUNorm(torch.autograd.Function):
         ctx.local = sharding.group_size(group) == 1 and n == _width(z, gated)
         _static_widths(z, a_g, a_u)
         if ctx.local:  # statistics and output in one kernel
-            kernel = _kernel(_glu_local_fwd)
+            kernel = _rows_kernel(_glu_local_fwd, z)
             h, mean, rstd = kernel(z, a_g, a_u, ids, act, gated, layer, eps)
         else:
             mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
-            h = _kernel(_glu_split_fwd)(z, mean, rstd, a_g, a_u, ids, act, gated)
+            h = _rows_kernel(_glu_split_fwd, z)(z, mean, rstd, a_g, a_u, ids, act, gated)
         ctx.save_for_backward(z, mean, rstd, a_g, a_u, ids, spans, keys)
         ctx.act, ctx.gated, ctx.group, ctx.n = act, gated, group, n
         return h
@@ -242,12 +242,19 @@ class _GLUNorm(torch.autograd.Function):
         args = (dh, z, mean, rstd, a_g, a_u, ids, spans, keys, ctx.act, ctx.gated)
         _static_widths(dh, z, a_g, a_u)
         if ctx.local:  # row sums and gradients in one kernel
-            dz, da_g, da_u = _kernel(_glu_local_bwd)(*args)
+            dz, da_g, da_u = _rows_kernel(_glu_local_bwd, z)(*args)
         else:
-            kernel = _kernel(_glu_split_bwd)
+            kernel = _rows_kernel(_glu_split_bwd, z)
             dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
             dz, da_g, da_u = kernel(*args, dots)
         return dz, da_g, da_u, *(None,) * 9
+
+
+def _rows_kernel(fn, z):
+    """``fn`` compiled (fused._kernel), but eager for fewer than two rows: dynamo specializes
+    sizes 0 and 1, and a sequential expert meets them often (a recompile each, until
+    dynamo's recompile limit)."""
+    return fn if z.shape[0] < 2 else _kernel(fn)
 
 
 def _rows(ids, *vectors):
