@@ -182,3 +182,14 @@ def test_compiled_fold_maps_match_eager():
                 assert _rel(a, b) < 1e-5, (seed, _rel(a, b))
     assert len(fused._COMPILED) == 2, list(fused._COMPILED)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_glu_kernels_run_eager_below_two_rows():
+    """A sequential expert's GLU meets 0 or 1 rows often; dynamo specializes those sizes, so
+    compiling them recompiled per call until dynamo's limit (a TP2+SP MoE run printed it)."""
+    from megatron_scalevec.layers import glu  # noqa: PLC0415
+
+    with _mode("on"):
+        for rows in (0, 1):
+            assert glu._rows_kernel(glu._glu_sums, torch.zeros(rows, 8)) is glu._glu_sums
+        assert glu._rows_kernel(glu._glu_sums, torch.zeros(2, 8)) is not glu._glu_sums
