@@ -7,7 +7,7 @@ benchmarks.memory --variant NAME`` with the benchmark's own arguments) builds th
 as benchmarks/overhead.py does and trains ``--memory-steps`` optimizer steps of the same
 micro-batches, then prints its peak:
 
-* CPU: the process's peak resident set (``ru_maxrss``), with glibc told to hand freed memory
+* CPU: the process's peak resident set (``VmHWM``), with glibc told to hand freed memory
   back at once (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0 MALLOC_ARENA_MAX=1``),
   so the peak is what was live, not what the heap kept. It includes the interpreter, torch and
   megatron-core (alike for every variant): the total a user's process reaches.
@@ -46,6 +46,19 @@ def peaks(names: list, argv: list) -> dict:
     return out
 
 
+def _peak_rss() -> int:
+    """This process's peak resident set in bytes: Linux's ``VmHWM`` (its own address space;
+    ``ru_maxrss`` would keep the parent's peak across the fork and exec that started it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux, else
+
+
 def _child(argv: list) -> None:
     import torch
 
@@ -68,8 +81,8 @@ def _child(argv: list) -> None:
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-    else:  # kilobytes on Linux
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    else:
+        peak = _peak_rss()
     torch.distributed.destroy_process_group()
     print(json.dumps({"variant": args.variant, "peak": peak}))
 
