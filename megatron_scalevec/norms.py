@@ -21,65 +21,49 @@ from typing import Optional
 
 import torch
 
-from megatron_scalevec import sharding
+from megatron_scalevec import ops, sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.vectors import ScaleVector
 
 
 def normalize(x: torch.Tensor, normalization: str, eps: float, group=None,
               global_size: Optional[int] = None) -> torch.Tensor:
-    """N(x) over the last dim, without any learnable scale, in float32.
-
-    ``group``: the last dim is split over this group; statistics are all-reduced so the
-    result equals the unsplit one (``global_size`` is the logical width).
-    """
-    x = x.float()
+    """N(x) over the last dim as an autograd composite (ops.normalize, the reference);
+    ``group``: the last dim is split over it (``global_size``: the logical width)."""
     n = global_size or x.shape[-1] * sharding.group_size(group)
-    if normalization == "RMSNorm":
-        ms = sharding.all_reduce_sum(x.pow(2).sum(-1, keepdim=True), group) / n
-        return x * torch.rsqrt(ms + eps)
-    if normalization == "LayerNorm":
-        mean = sharding.all_reduce_sum(x.sum(-1, keepdim=True), group) / n
-        xc = x - mean
-        var = sharding.all_reduce_sum(xc.pow(2).sum(-1, keepdim=True), group) / n
-        return xc * torch.rsqrt(var + eps)
-    raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
-                     f"got {normalization!r}")
+    return ops.normalize(x, normalization, eps, n, lambda t: sharding.all_reduce_sum(t, group))
 
 
-def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
-    if sharding.group_size(group) > 1:
-        torch.distributed.all_reduce(t, group=group)
-    return t
-
-
-class _ScaledRMSNorm(torch.autograd.Function):
-    """``gamma * x / rms(x)`` saving only ``x`` and the per-row ``1/rms`` for backward (autograd
-    of the composite keeps two full-size intermediates). The statistics, and the row sum the
-    backward needs, run over the whole logical width when it is split over ``group``."""
+class _ScaledNorm(torch.autograd.Function):
+    """``gamma * N(x)`` (ops.py) saving only ``x`` and the per-row statistics for backward
+    (autograd of the composite keeps two full-size intermediates). The statistics, and the row
+    sums the backward needs, run over the whole logical width when it is split over
+    ``group``."""
 
     @staticmethod
-    def forward(ctx, x, gamma, eps, group, n):
-        xf = x.float()
-        rstd = torch.rsqrt(_sum_over(xf.pow(2).sum(-1, keepdim=True), group) / n + eps)
-        ctx.save_for_backward(x, rstd, gamma)
+    def forward(ctx, x, gamma, layer, eps, group, n):
+        mean, rstd = ops.row_stats([x], layer, eps, n, lambda t: sharding.sum_in_place(t, group))
+        ctx.save_for_backward(x, mean, rstd, gamma)
         ctx.group, ctx.n = group, n
-        y = xf * rstd
+        y = ops.scale_free(x, mean, rstd)
         return (y * gamma if gamma is not None else y).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, rstd, gamma = ctx.saved_tensors
-        xhat = x.float() * rstd
+        x, mean, rstd, gamma = ctx.saved_tensors
+        xhat = ops.scale_free(x, mean, rstd)
         dy = dy.float()
         dgamma = None
         if gamma is not None:
             if ctx.needs_input_grad[1]:
                 dgamma = (dy * xhat).reshape(-1, xhat.shape[-1]).sum(0)
             dy = dy * gamma
-        dot = _sum_over((dy * xhat).sum(-1, keepdim=True), ctx.group) / ctx.n
-        dx = rstd * (dy - xhat * dot)
-        return dx.to(x.dtype), dgamma, None, None, None
+        sums = [(dy * xhat).sum(-1, keepdim=True)] + ([dy.sum(-1, keepdim=True)]
+                                                       if mean is not None else [])
+        sums = sharding.sum_in_place(torch.cat(sums, -1), ctx.group) / ctx.n
+        mean_g = sums[..., 1:] if mean is not None else None
+        dx = ops.scale_free_grad(dy, xhat, rstd, sums[..., :1], mean_g)
+        return dx.to(x.dtype), dgamma, None, None, None, None
 
 
 class ScaleVecNorm(ScaleVector):
@@ -104,31 +88,16 @@ class ScaleVecNorm(ScaleVector):
         self.kind = kind
         self.eps = eps
         self.normalization = config.normalization
-        if self.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
-                             f"got {self.normalization!r}")
+        self.layer = ops.is_layer_norm(self.normalization)  # one clear error if neither
 
     def vector(self):
         """gamma (None without a vector), for the fused functions that apply it; read
         through the module call (vectors.py)."""
         return self()
 
-    def forward_fused(self, x: torch.Tensor, rope=None, interleaved: bool = False):
-        """A per-head branch norm through layers/fused.py (+ RoPE: ``rope`` = (cos, sin))."""
-        from megatron_scalevec.layers import fused  # noqa: PLC0415 (layers imports norms)
-
-        return fused.head_norm(x, self.vector(), self.eps, self.normalization, rope, interleaved)
-
     def forward(self, x: Optional[torch.Tensor] = None, parts: bool = False):
         """``gamma * N(x)``; without ``x`` the vector itself (ScaleVector.forward)."""
         if x is None:
             return super().forward(parts)
-        if self.kind == "branch" and self.split_group is None:
-            return self.forward_fused(x)  # keeps its output (the consumer's) + 1/rms
-        gamma = super().forward()
-        if self.normalization == "RMSNorm":
-            return _ScaledRMSNorm.apply(x, gamma, self.eps, self.split_group, self.global_size)
-        y = normalize(x, self.normalization, self.eps, self.split_group, self.global_size)
-        if gamma is not None:
-            y = y * gamma
-        return y.to(x.dtype)
+        return _ScaledNorm.apply(x, super().forward(), self.layer, self.eps, self.split_group,
+                                 self.global_size)

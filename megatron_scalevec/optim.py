@@ -57,6 +57,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
+from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.vectors import DECAYED_PARTS
 
@@ -183,10 +184,7 @@ def decay_summary(rules: Sequence[DecayRule], model_chunks, weight_decay: float,
         c[0] += 1
         c[1] += p.numel()
     totals = torch.tensor([counts[r.name][0] for r in rules], dtype=torch.long)
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
-            totals = totals.cuda()
-        dist.all_reduce(totals)
+    totals = sharding.sum_over_world(totals)
     missing = [r.name for r, t in zip(rules, totals.tolist()) if r.required and t == 0]
     if missing:
         raise RuntimeError(f"IWD rule(s) {missing} matched no parameter on any rank for strategy "

@@ -73,6 +73,38 @@ class _ReduceGrad(torch.autograd.Function):
         return grad, None
 
 
+def sum_in_place(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` summed over ``group`` in place, outside autograd (inside a custom backward)."""
+    if group_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def sum_over_world(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a small host tensor of counts) summed over every rank, when distributed."""
+    if dist.is_available() and dist.is_initialized():
+        device = t.device
+        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
+            t = t.cuda()
+        dist.all_reduce(t)
+        t = t.to(device)
+    return t
+
+
+def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """The sequence-parallel shards of ``x`` (dim 0) from every rank of ``group``, in order."""
+    out = x.new_empty((x.shape[0] * group_size(group), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` and split along dim 0: this rank's sequence shard."""
+    shard = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
+    dist.reduce_scatter_tensor(shard, x.contiguous(), group=group)
+    return shard
+
+
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x

@@ -65,7 +65,7 @@ class ScaleVecSelfAttention(SelfAttention):
         """The fused norm+RoPE covers this call: plain bshd self-attention, unfused RoPE."""
         cfg = self.config
         return (self.q_norm is not None and kwargs.get("rotary_pos_emb") is not None
-                and self.attention_type == "self" and not fused.use_reference()
+                and self.attention_type == "self"
                 and all(kwargs.get(k) is None for k in (
                     "inference_context", "inference_params", "packed_seq_params",
                     "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin"))
@@ -87,17 +87,18 @@ class ScaleVecSelfAttention(SelfAttention):
 
     def _norm_rope(self, t, norm, freqs):
         """norm (fused with RoPE when this forward applies RoPE) of one of q, k."""
-        if freqs is None:
-            return norm(t) if norm is not None else t
         if norm is None:
+            if freqs is None:
+                return t
             return apply_rotary_pos_emb(t, freqs, config=self.config,
                                         mscale=_rope_mscale(self.config))
-        return norm.forward_fused(t, self._cos_sin(freqs, t), self.config.rotary_interleaved)
+        return fused.head_norm(t, norm.vector(), norm.eps, norm.normalization,
+                               self._cos_sin(freqs, t), self.config.rotary_interleaved)
 
     def _one_qkv_norm(self, key_value_states, output_gate) -> bool:
         """The three DNP norms run as one function on the unsplit QKV (layers/fused.py)."""
         return (self.v_norm is not None and self.q_norm is not None and not output_gate
-                and key_value_states is None and not fused.use_reference())
+                and key_value_states is None)
 
     def _cos_sin(self, freqs, like):
         if freqs is None:
@@ -126,6 +127,7 @@ class ScaleVecSelfAttention(SelfAttention):
         # [s, b, heads, head_dim]: each norm works per head over head_dim.
         query = self._norm_rope(query, self.q_norm, q_freqs)
         key = self._norm_rope(key, self.k_norm, k_freqs)
-        if self.v_norm is not None:
-            value = self.v_norm(value)
+        if self.v_norm is not None:  # keeps its output (attention's) and 1/rms, as q and k
+            value = fused.head_norm(value, self.v_norm.vector(), self.v_norm.eps,
+                                    self.v_norm.normalization)
         return (query, key, value) + tuple(out[3:])

@@ -27,6 +27,9 @@ from typing import Optional
 
 import torch
 
+from megatron_scalevec import ops
+from megatron_scalevec.norms import normalize
+
 _ENV = "MEGATRON_SCALEVEC_FUSED_COMPILE"
 _STATE = {"compile": os.environ.get(_ENV, "auto"), "reference": False, "broken": False}
 _COMPILED: dict = {}
@@ -132,11 +135,8 @@ def _unrope(y, cos, sin, interleaved: bool):
 # ---------------------------------------------------------------- per-head norm (+ RoPE)
 
 def _head_fwd(x, a, cos, sin, eps: float, layer: bool, interleaved: bool):
-    xf = x.float()
-    if layer:
-        xf = xf - xf.mean(-1, keepdim=True)
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = xf * rstd
+    mean, rstd = ops.row_stats([x], layer, eps, x.shape[-1])
+    y = ops.scale_free(x, mean, rstd)
     if a is not None:
         y = y * a
     if cos is not None:
@@ -152,10 +152,8 @@ def _head_bwd(dy, out, rstd, a, cos, sin, layer: bool, interleaved: bool):
     xhat = y / a if a is not None else y
     g = dy * a if a is not None else dy
     da = (dy * xhat).flatten(0, -2).sum(0) if a is not None else None
-    dx = g - xhat * (g * xhat).mean(-1, keepdim=True)
-    if layer:
-        dx = dx - g.mean(-1, keepdim=True)
-    return dx * rstd, da
+    mean_g = g.mean(-1, keepdim=True) if layer else None
+    return ops.scale_free_grad(g, xhat, rstd, (g * xhat).mean(-1, keepdim=True), mean_g), da
 
 
 class _HeadNorm(torch.autograd.Function):
@@ -265,15 +263,9 @@ def qkv_norm(mixed, vectors, eps: float, normalization: str, qpg: int, rope_q=No
 
 # ---------------------------------------------------------------- shared helpers
 
-def _layer_norm(normalization: str) -> bool:
-    if normalization not in ("RMSNorm", "LayerNorm"):
-        raise ValueError(f"scale-vector norms support normalization RMSNorm or LayerNorm, "
-                         f"got {normalization!r}")
-    return normalization == "LayerNorm"
+_layer_norm = ops.is_layer_norm
 
 
 def _norm_reference(x, layer: bool, eps: float, group, n: int):
-    """The autograd composite N(x) the fused functions replace (float32)."""
-    from megatron_scalevec.norms import normalize  # noqa: PLC0415 (norms imports this module)
-
+    """The autograd composite N(x) the fused functions replace (float32, norms.normalize)."""
     return normalize(x, "LayerNorm" if layer else "RMSNorm", eps, group, n)

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_scalevec import sharding
+from megatron_scalevec import ops, sharding
 from megatron_scalevec.layers.fused import (
     _kernel,
     _layer_norm,
@@ -88,33 +88,14 @@ def _parts(z, gated: bool):
     return z.chunk(2, dim=-1) if gated else (None, z)
 
 
-def _glu_sums(z, mean, gated: bool):
-    """Per-row [sum] (mean is None) or [sum of squares about mean] of gate and up: [..., P]."""
-    parts = [p.float() for p in _parts(z, gated) if p is not None]
-    if mean is None:
-        return torch.cat([p.sum(-1, keepdim=True) for p in parts], -1)
-    return torch.cat([(p - mean[..., i:i + 1]).pow(2).sum(-1, keepdim=True)
-                      for i, p in enumerate(parts)], -1)
+def _glu_stats(z, gated, layer, eps, group, n):
+    """(mean or None, rstd) per row of gate and up ([..., P]) over the logical width n
+    (ops.row_stats; one all-reduce per statistic when the width is split over ``group``)."""
+    parts = [p for p in _parts(z, gated) if p is not None]
+    return ops.row_stats(parts, layer, eps, n, lambda t: sharding.all_reduce_sum(t, group))
 
 
-def _glu_stats(z, gated, layer, eps, group, n, kernel=None):
-    """(mean or None, rstd) per row and part, over the logical width n; ``kernel`` runs the
-    row sums (default: _glu_sums, compiled as set_compile says)."""
-    kernel = kernel or _rows_kernel(_glu_sums, z)
-    mean = None
-    if layer:
-        mean = sharding.all_reduce_sum(kernel(z, None, gated), group) / n
-    centered = mean if mean is not None else torch.zeros(
-        (*z.shape[:-1], 2 if gated else 1), dtype=torch.float32, device=z.device)
-    ms = sharding.all_reduce_sum(kernel(z, centered, gated), group) / n
-    return mean, torch.rsqrt(ms + eps)
-
-
-def _xhat(p, mean, rstd, i):
-    p = p.float()
-    if mean is not None:
-        p = p - mean[..., i:i + 1]
-    return p * rstd[..., i:i + 1]
+_xhat = ops.scale_free  # N(part i) from its statistics
 
 
 def _glu_fwd(z, mean, rstd, a_g, a_u, act, gated: bool):
@@ -164,12 +145,9 @@ def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots, spans=None):
         return torch.cat([(g * x).sum(-1, keepdim=True) for g, x in zip(gs, xs)]
                          + [g.sum(-1, keepdim=True) for g in gs], -1)
     parts = len(xs)
-    dz = []
-    for i, (g, x) in enumerate(zip(gs, xs)):
-        d = g - x * dots[..., i:i + 1]
-        if mean is not None:
-            d = d - dots[..., parts + i:parts + i + 1]
-        dz.append(d * rstd[..., i:i + 1])
+    dz = [ops.scale_free_grad(g, x, rstd[..., i:i + 1], dots[..., i:i + 1],
+                              None if mean is None else dots[..., parts + i:parts + i + 1])
+          for i, (g, x) in enumerate(zip(gs, xs))]
     da_u = _vector_grad(dnu * uh, a_u, spans)
     da_g = _vector_grad(dng * gh, a_g, spans) if gated else None
     return torch.cat(dz, -1).to(z.dtype), da_g, da_u
@@ -188,7 +166,8 @@ def _glu_split_bwd(dh, z, mean, rstd, a_g, a_u, ids, spans, keys, act, gated: bo
 
 def _glu_local_fwd(z, a_g, a_u, ids, act, gated: bool, layer: bool, eps: float):
     """_glu_stats and _glu_split_fwd for an unsplit width, as one function (one kernel)."""
-    mean, rstd = _glu_stats(z, gated, layer, eps, None, _width(z, gated), kernel=_glu_sums)
+    parts = [p for p in _parts(z, gated) if p is not None]
+    mean, rstd = ops.row_stats(parts, layer, eps, _width(z, gated))
     return _glu_split_fwd(z, mean, rstd, a_g, a_u, ids, act, gated), mean, rstd
 
 

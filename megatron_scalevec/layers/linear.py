@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_scalevec import sharding
@@ -98,12 +97,6 @@ def _fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:
     return d_w, d_row, d_col
 
 
-def _gather_tokens(x, group):
-    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
-
-
 class _FoldedLinear(torch.autograd.Function):
     """``x @ fold_weight(W, row, col)^T (+ bias)`` with megatron-core's column-parallel
     communication (sequence-parallel gather of x, all-reduce or reduce-scatter of its gradient).
@@ -117,7 +110,7 @@ class _FoldedLinear(torch.autograd.Function):
     def forward(ctx, x, weight, row, col, bias, layout, allreduce_dgrad, sequence_parallel,
                 tp_group):
         w_eff = fold_weight(weight, row, col, layout)
-        total = _gather_tokens(x, tp_group) if sequence_parallel else x
+        total = sharding.gather_tokens(x, tp_group) if sequence_parallel else x
         out = torch.matmul(total, w_eff.t())
         if bias is not None:
             out = out + bias
@@ -131,15 +124,13 @@ class _FoldedLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, row, col = ctx.saved_tensors
         w_eff = fold_weight(weight, row, col, ctx.layout)
-        total = _gather_tokens(x, ctx.tp_group) if ctx.sequence_parallel else x
+        total = sharding.gather_tokens(x, ctx.tp_group) if ctx.sequence_parallel else x
         dx = dy.matmul(w_eff)
         del w_eff
         if ctx.allreduce_dgrad:
-            dist.all_reduce(dx, group=ctx.tp_group)
+            sharding.sum_in_place(dx, ctx.tp_group)
         if ctx.sequence_parallel:
-            shard = dx.new_empty(x.shape)
-            dist.reduce_scatter_tensor(shard, dx.contiguous(), group=ctx.tp_group)
-            dx = shard
+            dx = sharding.reduce_scatter_tokens(dx, ctx.tp_group)
         dy2 = dy.reshape(-1, dy.shape[-1])
         g_eff = dy2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out, in]
         d_w, d_row, d_col = fold_backward(g_eff, weight, row, col, ctx.layout,
