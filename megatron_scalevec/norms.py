@@ -71,20 +71,18 @@ class ScaleVecNorm(ScaleVector):
     hidden_size=, eps=)``, the strategy arrives through the spec's params."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, *,
-                 scalevec: ScaleVecConfig, kind: str = "pre", tp_group=None,
-                 split: bool = False, grad_group=None, expert_allreduce=None):
+                 scalevec: ScaleVecConfig, kind: str = "pre", placement=None,
+                 expert_allreduce=None):
         if kind not in ("pre", "final", "branch"):
             raise ValueError(f"ScaleVecNorm kind must be pre, final or branch, got {kind!r}")
         has_vector = {"pre": scalevec.vectors and not scalevec.hg,
                       "final": scalevec.vectors, "branch": scalevec.vectors}[kind]
-        if kind != "branch":
-            grad_group = sharding.seq_parallel_group(config)
-            tp_group = sharding.tp_group(is_expert=False)
+        if kind != "branch":  # built by megatron-core from the spec: placed here
+            placement = sharding.placement(f"{kind}_norm", config, sharding.tp_group(False))
         super().__init__(
             hidden_size, scalevec.parameterization if has_vector else None,
-            role="output" if kind == "branch" else "input", tp_group=tp_group, split=split,
-            grad_group=grad_group, expert_allreduce=expert_allreduce,
-            dtype=config.params_dtype)
+            role="output" if kind == "branch" else "input", **(placement or {}),
+            expert_allreduce=expert_allreduce, dtype=config.params_dtype)
         self.kind = kind
         self.eps = eps
         self.normalization = config.normalization

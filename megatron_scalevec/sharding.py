@@ -32,6 +32,37 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+# Where each scale vector lives: split along its layer's tensor-parallel group (else
+# replicated on it), and the group over which one rank's use of it is partial, so that its
+# gradient is summed there in autograd (reduce_grad). "tp": the layer's TP group (expert-TP for
+# experts); "sp": the dense TP group under sequence parallelism (a shard of the tokens);
+# "ep" / "tp_ep": the expert groups of one vector shared by all routed experts (moe.py).
+PLACEMENTS = {
+    # vector                     split   partial over
+    "pre_norm":                 (False, "sp"),    # Pre-Norm gamma (shared), and its SP shard
+    "final_norm":               (False, "sp"),
+    "head_norm":                (False, "tp"),    # R^head_dim, shared by the local heads
+    "ffn_norm":                 (True, None),     # DNP over the FFN width, split like fc1
+    "input_folded":             (False, "tp"),    # HG gamma folded into W: each rank its rows
+    "input_activation":         (False, "sp"),    # HG gamma scaling a (dense) activation
+    "input_activation_expert":  (False, "tp"),    # ... an expert's (no TP copy / gather)
+    "qkv_output":               (False, "tp"),    # DP a on the local heads' rows
+    "fc1_output":               (True, None),     # DP a in R^ffn, split with fc1's columns
+    "router_input":             (False, "sp"),    # gamma_r: each rank routes its SP shard
+    "shared_expert_input":      (False, "tp_ep"),
+    "shared_expert_output":     (True, "ep"),
+    "shared_expert_ffn_norm":   (True, "ep"),
+}
+
+
+def placement(name: str, config, tp_group, *, ep=None, tp_ep=None) -> dict:
+    """ScaleVector's ``tp_group``, ``split`` and ``grad_group`` for vector ``name`` of a layer
+    whose tensor-parallel group is ``tp_group`` (:data:`PLACEMENTS`)."""
+    split, partial = PLACEMENTS[name]
+    groups = {None: None, "tp": tp_group, "sp": seq_parallel_group(config), "ep": ep,
+              "tp_ep": tp_ep}
+    return dict(tp_group=tp_group, split=split, grad_group=groups[partial])
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)

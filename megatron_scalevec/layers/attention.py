@@ -20,6 +20,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
 
+from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fused
 from megatron_scalevec.norms import ScaleVecNorm
@@ -50,14 +51,13 @@ class ScaleVecSelfAttention(SelfAttention):
                 f"scale-vector attention needs num_query_groups ({config.num_query_groups}) >= "
                 f"tensor_model_parallel_size ({self.world_size})")
         branches = ["q", "k", "v"] if scalevec.dnp else ["q", "k"] if config.qk_layernorm else []
-        # Heads are local to a TP rank, the head-dim vector is replicated: partial gradients.
-        group = self.pg_collection.tp
+        place = sharding.placement("head_norm", config, self.pg_collection.tp)
         for b in ("q", "k", "v"):
             norm = None
             if b in branches:
                 norm = ScaleVecNorm(
                     config, self.hidden_size_per_attention_head, config.layernorm_epsilon,
-                    scalevec=scalevec, kind="branch", tp_group=group, grad_group=group)
+                    scalevec=scalevec, kind="branch", placement=place)
             setattr(self, f"{b}_norm", norm)
         self._rope = None  # (q_freqs, k_freqs) while forward() applies RoPE itself
 

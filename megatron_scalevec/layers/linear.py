@@ -157,15 +157,12 @@ class ScaleVecLinearMixin:
         if out_vec and (getattr(self, "bias", None) is not None):
             raise ValueError("DP output-side vectors with a linear bias are not supported: "
                              "set add_bias_linear=False / add_qkv_bias=False")
-        # Output rows are local: replicated vectors on them get partial gradients.
-        out_split = branches == "fc1"
         self.scale_in = torch.nn.ModuleDict()
         self.scale_out = torch.nn.ModuleDict()
-        seq_group = sharding.seq_parallel_group(config) if not is_expert else None
-        # Weight mode: each rank uses gamma on its rows only. Activation mode: the input grad
-        # is partial over the expert-TP group (experts skip the TP copy/gather), or over
-        # the SP group for dense layers.
-        in_grad_group = tp_group if (mode == "weight" or is_expert) else seq_group
+        in_place = sharding.placement(
+            "input_folded" if mode == "weight" else
+            "input_activation_expert" if is_expert else "input_activation", config, tp_group)
+        out_place = sharding.placement(f"{branches}_output", config, tp_group)
         for name in names:
             if in_vec and mode == "activation":
                 # [S, 1]: keeps this branch's rows of a full-width output (built once).
@@ -173,15 +170,13 @@ class ScaleVecLinearMixin:
                 self.register_buffer(f"_slot_mask_{name}", mask, persistent=False)
             if in_vec:
                 self.scale_in[name] = ScaleVector(
-                    in_size, scalevec.parameterization, role="input", tp_group=tp_group,
-                    grad_group=in_grad_group, expert_allreduce=expert_allreduce,
-                    dtype=config.params_dtype)
+                    in_size, scalevec.parameterization, role="input", **in_place,
+                    expert_allreduce=expert_allreduce, dtype=config.params_dtype)
             if out_vec:
                 self.scale_out[name] = ScaleVector(
                     self.rows, scalevec.parameterization, role=scalevec.dp_output_role,
-                    tp_group=tp_group, split=out_split,
-                    grad_group=None if out_split else tp_group,
-                    expert_allreduce=expert_allreduce, dtype=config.params_dtype)
+                    **out_place, expert_allreduce=expert_allreduce,
+                    dtype=config.params_dtype)
 
     @property
     def has_scale_vectors(self) -> bool:

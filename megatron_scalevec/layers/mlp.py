@@ -44,7 +44,8 @@ class ScaleVecMLP(MLP):
 
         def norm():
             return ScaleVecNorm(config, width // tp, config.layernorm_epsilon, scalevec=scalevec,
-                                kind="branch", tp_group=self.tp_group, split=True,
+                                kind="branch",
+                                placement=sharding.placement("ffn_norm", config, self.tp_group),
                                 expert_allreduce=allreduce)
 
         self.up_norm = norm()

@@ -88,8 +88,7 @@ class ScaleVecTopKRouter(TopKRouter):
         if scalevec.hg and scalevec.vectors:
             self.scale_in = ScaleVector(
                 config.hidden_size, scalevec.parameterization, role="input",
-                tp_group=self.tp_group,
-                grad_group=self.tp_group if config.sequence_parallel else None,
+                **sharding.placement("router_input", config, self.tp_group),
                 dtype=config.params_dtype)
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
@@ -132,7 +131,10 @@ class ExpertSharedVectors(torch.nn.Module):
         super().__init__()
         names = ["gate", "up"] if config.gated_linear_unit else ["up"]
         local = width // sharding.group_size(expt_tp)
-        kw = dict(tp_group=expt_tp, expert_allreduce=allreduce)
+        def place(vector):
+            return sharding.placement(f"shared_expert_{vector}", config, expt_tp, ep=ep,
+                                      tp_ep=tp_ep)
+
         self.scale_in = torch.nn.ModuleDict()
         self.scale_out = torch.nn.ModuleDict()
         self.gate_norm = self.up_norm = None
@@ -140,15 +142,15 @@ class ExpertSharedVectors(torch.nn.Module):
             if scalevec.hg and scalevec.vectors:
                 self.scale_in[name] = ScaleVector(
                     config.hidden_size, scalevec.parameterization, role="input",
-                    grad_group=tp_ep, dtype=config.params_dtype, **kw)
+                    **place("input"), expert_allreduce=allreduce, dtype=config.params_dtype)
             if scalevec.dp:
                 self.scale_out[name] = ScaleVector(
                     local, scalevec.parameterization, role=scalevec.dp_output_role,
-                    split=True, grad_group=ep, dtype=config.params_dtype, **kw)
+                    **place("output"), expert_allreduce=allreduce, dtype=config.params_dtype)
             if scalevec.dnp:
                 setattr(self, f"{name}_norm", ScaleVecNorm(
                     config, local, config.layernorm_epsilon, scalevec=scalevec, kind="branch",
-                    split=True, grad_group=ep, **kw))
+                    placement=place("ffn_norm"), expert_allreduce=allreduce))
         # Identical on every EP rank after the reduction above: counted once in the grad norm.
         sharding.mark_replicas(self, ep)
 
