@@ -175,6 +175,15 @@ class Trainer:
         self.log.print(summary.layout_line(self.args))
         self.log.print(summary.parameter_line(*summary.parameter_counts(self.model,
                                                                         self.device)))
+        from megatron_scalevec.invariance import invariant_magnitudes, summary_line  # noqa
+
+        a, sv = self.args, self.args.scalevec_config
+        wd = (a.scale_vector_weight_decay if a.scale_vector_weight_decay is not None
+              else a.weight_decay) if sv.iwd else 0.0
+        names = [n for m in self.model for n in invariant_magnitudes(m)]
+        line = summary_line(names, a.lr, wd, self.config.layernorm_epsilon, a.train_iters)
+        if line:
+            self.log.print(line)
 
     def _iters(self, dataset, consumed):
         from megatron.core import parallel_state as ps  # noqa: PLC0415
