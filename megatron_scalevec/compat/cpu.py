@@ -47,6 +47,14 @@ thread that runs megatron code.
     = torch.compile at import     inductor compiles fused         import megatron,
                                   functions on CPU                disable_jit_fuser(), unwrap
                                                                   compiled functions
+12  activation recompute          the forward that a checkpoint   its backward runs inside the
+                                  re-runs in backward runs        device mode (patch 1)
+                                  without the device mode
+                                  (causal mask on 'cuda')
+13  selective recompute of        CheckpointWithoutOutput takes   without TE (no FP8 possible)
+    layernorm / moe_act           its FP8 branch always (``fp8    its fp8 flag is set False
+                                  is not None``, 0.16.1): TE
+                                  names undefined without TE
 ==  ============================  ==============================  ================================
 """
 
@@ -239,6 +247,15 @@ def _uneven_all_gather(orig):
     return all_gather
 
 
+def _in_device_mode(backward):
+    @functools.wraps(backward)
+    def run(ctx, *args):
+        with _CudaAsCpuMode():
+            return backward(ctx, *args)
+
+    return run
+
+
 def _patch_megatron():
     from megatron.core import jit
     from megatron.core.tensor_parallel import random as mrandom
@@ -251,6 +268,22 @@ def _patch_megatron():
     logging.getLogger(mrandom.__name__).addFilter(
         lambda record: "CPU RNG state changed within GPU RNG" not in record.getMessage()
     )
+
+    for name in ("CheckpointFunction", "CheckpointWithoutOutputFunction"):  # patch 12
+        fn = getattr(mrandom, name, None)
+        if fn is not None:
+            fn.backward = staticmethod(_in_device_mode(fn.backward))
+
+    without_output = getattr(mrandom, "CheckpointWithoutOutput", None)
+    if without_output is not None and not hasattr(mrandom, "FP8GlobalStateManager"):  # 13
+        init = without_output.__init__
+
+        @functools.wraps(init)
+        def no_fp8(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.fp8 = False
+
+        without_output.__init__ = no_fp8
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
