@@ -35,7 +35,7 @@ def _adam_steps(config, grads, fused):
 
 
 def _adam_forms(rank, world):
-    """Two Adam steps of unified: loop, multi-tensor foreach and fused (bench.multi_tensor_adam).
+    """Two Adam steps of unified: loop, multi-tensor foreach and fused (multi_tensor_adam).
     Returns each form's largest difference to the loop, relative to each tensor's scale."""
     init_model_parallel()
     config = M.tiny_config()
@@ -67,7 +67,7 @@ CLIP = 1e-3  # far below the tiny model's gradient norm: every step clips
 
 def _clip_forms(rank, world):
     """Two SGD steps of unified clipped at CLIP, under megatron-core's local gradient-norm and
-    scale fallbacks and under the benchmark's stand-ins (bench.multi_tensor_kernels): for each,
+    scale fallbacks and under the benchmark's stand-ins (multi_tensor_kernels): for each,
     (bindings replaced, grad norms, clipped gradients of the last step, parameters)."""
 
     from benchmarks.overhead import multi_tensor_kernels
@@ -144,7 +144,7 @@ def test_benchmark_stand_ins_match_megatron_local_fallbacks():
 
 def _bench_order(rank, world):
     init_model_parallel()
-    from megatron_scalevec import bench
+    from benchmarks import overhead as bench
     from megatron_scalevec.testing import models as M
 
     args = bench.build_parser().parse_args(
@@ -193,7 +193,7 @@ def test_paired_ratio_pairs_each_instance_with_its_own_base():
 
 def _bench_null(rank, world):
     init_model_parallel()
-    from megatron_scalevec import bench
+    from benchmarks import overhead as bench
 
     args = bench.build_parser().parse_args(
         ["--variants", "shared@eager", "unified@eager", "--baseline", "shared@eager", "--null",
@@ -222,7 +222,7 @@ def test_benchmark_null_row_is_the_baseline_again():
 
 def test_host_args_shrink_only_the_width():
     """--host reruns the same variants, instances and model shape at the smallest width."""
-    from megatron_scalevec import bench  # noqa: PLC0415
+    from benchmarks import overhead as bench  # noqa: PLC0415
 
     args = bench.build_parser().parse_args(
         ["--variants", "shared", "unified", "--baseline", "shared", "--num-experts", "4",
