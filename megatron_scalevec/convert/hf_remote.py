@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from megatron_scalevec.convert import hf as _hf
-from megatron_scalevec.convert.arch import ModelArch, build_model, logits, sample_batch
+from megatron_scalevec.convert.arch import ModelArch
+from megatron_scalevec.convert.build import build_model, logits, sample_batch
 from megatron_scalevec.convert.io import (
     StateDict,
     atomic_output_dir,
