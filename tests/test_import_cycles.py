@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location(
     "import_cycles", os.path.join(ROOT, "tools", "import_cycles.py"))
@@ -17,8 +19,26 @@ ic = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ic)
 
 
+# The one cycle left, vectors -> layers/fold_cache -> layers/fused -> norms -> vectors, ends when
+# layers/fold_cache.py goes (issue 27 item 6, the layers rewrite). Until then the first test
+# lets only modules of that cycle take part in one; the second is an expected failure that turns
+# into a (strict) failure once the cycle is gone: then delete FOLD_CACHE_CYCLE and the marker.
+FOLD_CACHE_CYCLE = {"megatron_scalevec.vectors", "megatron_scalevec.layers.fold_cache",
+                    "megatron_scalevec.layers.fused", "megatron_scalevec.norms"}
+
+
+def _package_cycles():
+    return ic.cycles(ic.graph([os.path.join(ROOT, "megatron_scalevec")]))
+
+
+def test_package_has_no_new_import_cycle():
+    found = [c for c in _package_cycles() if not set(c) <= FOLD_CACHE_CYCLE]
+    assert found == [], "\n".join(" -> ".join(c) for c in found)
+
+
+@pytest.mark.xfail(strict=True, reason="vectors/fold_cache/fused/norms: goes with fold_cache.py")
 def test_package_has_no_import_cycle():
-    found = ic.cycles(ic.graph([os.path.join(ROOT, "megatron_scalevec")]))
+    found = _package_cycles()
     assert found == [], "\n".join(" -> ".join(c) for c in found)
 
 
