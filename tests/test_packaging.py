@@ -76,11 +76,16 @@ def test_ranges_not_pins_and_ci_runs_their_ends():
         k: str(type(spec[k])(v)) for k, v in env.SUPPORTED.items()}
 
 
-def _dry_run(tmp_path, requirements: list):
+def _dry_run(tmp_path, requirements: list, python: str = sys.executable):
+    """What ``pip install`` would install into ``python``'s environment (offline, no pip
+    configuration: only what is installed there counts)."""
     report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet",
-           "--disable-pip-version-check", "--report", str(report), *requirements]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "pip", "--python", python, "install", "--dry-run",
+           "--no-index", "--quiet", "--disable-pip-version-check", "--report", str(report),
+           *requirements]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env={**clean, "PIP_CONFIG_FILE": os.devnull})
     if p.returncode:
         return None, p.stderr
     return {i["metadata"]["name"].lower(): i["metadata"]["version"]
@@ -100,6 +105,38 @@ def test_install_into_a_satisfying_environment_changes_nothing(tmp_path):
     # the harness notices a requirement this environment does not meet
     changes, _ = _dry_run(tmp_path, [f"megatron-core!={installed['megatron-core']}"])
     assert changes is None or "megatron-core" in changes
+
+
+def _fake_environment(tmp_path, versions: dict) -> str:
+    """A venv whose site-packages hold metadata-only stand-ins of ``versions`` (what pip
+    reads to decide whether something installed satisfies a requirement)."""
+    venv = tmp_path / "ngc"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site,) = venv.glob("lib/python*/site-packages")
+    for name, version in versions.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\n"
+                                       f"Version: {version}\n")
+        (info / "RECORD").write_text("")
+        (info / "INSTALLER").write_text("test\n")
+    return str(venv / "bin" / "python")
+
+
+def test_install_into_an_ngc_like_environment_changes_nothing(tmp_path):
+    """An NGC-style environment: torch 2.13.0a0+<git>.nv (a pre-release build) and a
+    megatron-core inside the range but at neither CI end. setup.py's requirements leave both
+    as they are; the exact pins they replaced (torch==2.13.0, megatron-core==0.16.1) would not."""
+    python = _fake_environment(tmp_path, {
+        "torch": "2.13.0a0+79aa17489c.nv26.11", "megatron-core": "0.18.2", "numpy": "2.1.0",
+        "sentencepiece": "0.2.3", "psutil": "6.0.0"})
+    reqs = [r for r in install_requires()
+            if Requirement(r).marker is None or Requirement(r).marker.evaluate()]
+    changes, err = _dry_run(tmp_path, reqs, python)
+    assert changes == {}, err[-2000:]
+    for pin in ("torch==2.13.0", "megatron-core==0.16.1"):
+        changes, err = _dry_run(tmp_path, [pin], python)  # offline: no candidate to install
+        assert changes is None and "No matching distribution" in err, (pin, changes)
 
 
 def test_ngc_prerelease_torch_is_in_range():
