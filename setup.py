@@ -2,7 +2,11 @@
 
 from setuptools import find_packages, setup
 
-MUON = "emerging-optimizers==0.3.0; python_version >= '3.12'"
+# Ranges, not pins: installing into an environment (an NGC container, a cluster's venv) that
+# already has an in-range torch / megatron-core changes neither (tests/test_packaging.py). The
+# exact versions CI installs are in constraints/cpu.txt (pip install -c constraints/cpu.txt ...).
+MUON = "emerging-optimizers>=0.3.0,<0.4; python_version >= '3.12'"
+CONVERT = ["safetensors>=0.8.0,<0.9", "transformers>=5.24.0,<6"]
 
 setup(
     name="megatron_scalevec",
@@ -13,26 +17,26 @@ setup(
     python_requires=">=3.11,<3.14",
     packages=find_packages(include=["megatron_scalevec", "megatron_scalevec.*"]),
     install_requires=[
-        # Supported: megatron-core 0.16.1 through 0.19.x (compat/mcore.py). From 0.17 it needs
-        # Python >= 3.12, so each Python gets the newest release it can run.
-        "megatron-core==0.16.1; python_version < '3.12'",
-        "megatron-core==0.19.2; python_version >= '3.12'",
-        # 3.11: the local CPU wheel of 2.13.0; 3.12+: the registry's (CUDA) build, which runs on
-        # CPU. On GPUs install the CUDA build first.
-        "torch==2.13.0",
+        # Supported: megatron-core 0.16.1 through 0.19.x (compat/mcore.py); CI runs both ends
+        # (0.16.1 on Python 3.11, 0.19.2 on 3.12). From 0.17 it needs Python >= 3.12, so pip
+        # gives each Python the newest release it can run.
+        "megatron-core>=0.16.1,<0.20",
+        # The 2.13 line, NGC's pre-release builds (2.13.0a0+<git>) included: an exact
+        # "torch==2.13.0" would make pip replace a container's CUDA torch. CI runs 2.13.0;
+        # widen a bound once a CI leg runs that end.
+        "torch>=2.13.0a0,<2.14",
         "numpy>=1.26,<3",
-        "sentencepiece==0.2.3",
+        "sentencepiece>=0.2.3,<0.3",
         # dist_checkpointing needs psutil but megatron-core does not declare it.
         "psutil>=5.9",
     ],
     extras_require={
         # Conversion to/from Hugging Face (safetensors for our own full format too).
-        "convert": ["safetensors==0.8.0", "transformers==5.24.0"],
+        "convert": CONVERT,
         "plot": ["matplotlib>=3.8"],
         # --optimizer muon; the package exists for Python >= 3.12 only (3.11: a refusal).
         "muon": [MUON],
-        "test": ["pytest>=8", "ruff>=0.6", "safetensors==0.8.0", "transformers==5.24.0",
-                 "matplotlib>=3.8", MUON],
+        "test": ["pytest>=8", "ruff>=0.6", *CONVERT, "matplotlib>=3.8", MUON],
         # Optional accelerators: Transformer Engine (FP8, fused kernels). NVIDIA apex is built
         # from source; the PyPI package named "apex" is unrelated, so it is never listed.
         "te": ["transformer-engine[pytorch]"],
@@ -41,5 +45,6 @@ setup(
         "megatron-scalevec-pretrain = megatron_scalevec.training.trainer:cli",
         "megatron-scalevec-preprocess = megatron_scalevec.training.preprocess:main",
         "megatron-scalevec-convert = megatron_scalevec.convert.cli:main",
+        "megatron-scalevec-env = megatron_scalevec.env:main",
     ]},
 )

@@ -90,7 +90,7 @@ elif [ "$FLAVOUR" = megatron-lm ]; then
   # Megatron-LM core_v0.16.1 pretrain_gpt.py. --spec replaces its layer spec entirely, so the
   # Llama features are given as flags that our block spec reads from the config.
   ENTRY=${ENTRY:-${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM core_v0.16.1 checkout}/pretrain_gpt.py}
-  MODEL_ARGS=(--spec megatron_scalevec.specs "$SPEC" "${SIZE[@]}"
+  MODEL_ARGS=(--spec megatron_scalevec.megatron_lm_spec "$SPEC" "${SIZE[@]}"
     --normalization RMSNorm --swiglu --disable-bias-linear --position-embedding-type rope
     --attention-dropout 0.0 --hidden-dropout 0.0)
   if [[ " ${SIZE[*]} " == *" --num-query-groups "* ]]; then

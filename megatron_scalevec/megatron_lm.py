@@ -1,10 +1,12 @@
-"""Megatron-LM integration: what ``--spec megatron_scalevec.specs scalevec_moe`` installs.
+"""Megatron-LM integration: what ``--spec megatron_scalevec.megatron_lm_spec scalevec_moe``
+installs.
 
 Megatron-LM's ``pretrain_gpt.py`` imports the spec module inside ``gpt_builder()`` (after its
-arguments are parsed, while ``setup_model_and_optimizer`` runs) and has no plugin hook, so the
-spec module installs three wrappers into ``megatron.training.training`` at import time. Each
-calls the original and only adds to it; each is looked up by Megatron at call time, after the
-model is built:
+arguments are parsed, while ``setup_model_and_optimizer`` runs) and has no plugin hook, so that
+module (:mod:`megatron_scalevec.megatron_lm_spec`, the only one with an effect on import) calls
+:func:`install`, which puts three wrappers into ``megatron.training.training``. Importing this
+module does nothing. Each wrapper calls the original and only adds to it; each is looked up by
+Megatron at call time, after the model is built:
 
 * ``get_megatron_optimizer_config`` -- IWD: Megatron's ``config_overrides`` with its 1-D
   no-decay rule replaced by the rules of :mod:`megatron_scalevec.optim` for the strategy the
@@ -27,7 +29,8 @@ Strategy (no new CLI flags; Megatron-LM rejects unknown ones): the ``--spec`` at
 the unified strategy (hg+dnp+or+iwd). The environment variable ``MEGATRON_SCALEVEC`` (any
 :meth:`ScaleVecConfig.from_string` text, e.g. ``hg+dp+er``) and
 ``MEGATRON_SCALEVEC_VECTOR_WD`` (decay of Input-Norm vectors; default ``--weight-decay``),
-read when the spec module is imported, rebind both attributes. The strategy is not stored in
+read when the spec module is imported, choose the strategy of both attributes
+(:func:`spec_objects`). The strategy is not stored in
 Megatron-LM checkpoints: resume with the same environment.
 """
 
@@ -38,7 +41,6 @@ import logging
 import math
 import os
 import re
-import sys
 import warnings
 from typing import Optional
 
@@ -74,20 +76,24 @@ def env_strategy(environ=None) -> Optional[ScaleVecConfig]:
         raise ValueError(f"{ENV_STRATEGY}={text!r} / {ENV_VECTOR_WD}={wd!r}: {e}") from None
 
 
-def apply_env_strategy(specs_module, environ=None) -> Optional[ScaleVecConfig]:
-    """Rebind ``scalevec_dense`` / ``scalevec_moe`` to the environment's strategy."""
+def spec_objects(environ=None) -> tuple:
+    """``(scalevec_dense, scalevec_moe)`` for the ``--spec`` module: lazy block specs of the
+    environment's strategy, else of the unified one."""
+    from megatron_scalevec import specs  # noqa: PLC0415 (megatron-core only when used)
+
+    environ = os.environ if environ is None else environ
     cfg = env_strategy(environ)
     if cfg is not None:
-        for name in SPEC_ATTRS:
-            setattr(specs_module, name, specs_module.block_module_spec(cfg))
-    return cfg
+        logger.warning("megatron_scalevec: %s=%s: --spec scalevec_* use strategy %s",
+                       ENV_STRATEGY, environ.get(ENV_STRATEGY, ""), cfg.to_string())
+    return tuple(specs.block_module_spec(cfg or "unified") for _ in SPEC_ATTRS)
 
 
 def strategy_of_spec(spec_tokens) -> Optional[ScaleVecConfig]:
     """The strategy of a Megatron-LM ``args.spec`` (module, attribute) if it is one of ours."""
     if not spec_tokens or len(spec_tokens) != 2:
         return None
-    from megatron_scalevec.specs import ScaleVecBlockSubmodules  # noqa: PLC0415 (import cycle)
+    from megatron_scalevec.specs import ScaleVecBlockSubmodules  # noqa: PLC0415 (when used)
 
     try:
         obj = getattr(importlib.import_module(spec_tokens[0]), spec_tokens[1], None)
@@ -245,7 +251,7 @@ _WRAPPERS = {"get_megatron_optimizer_config": wrap_optimizer_config,
              "training_log": wrap_training_log}
 
 
-def install_into(training_module, specs_module=None) -> list:
+def install_into(training_module) -> list:
     """Wrap the functions of ``training_module`` (idempotent). Returns the names wrapped now."""
     done = []
     for name, wrap in _WRAPPERS.items():
@@ -254,11 +260,6 @@ def install_into(training_module, specs_module=None) -> list:
             continue
         setattr(training_module, name, wrap(fn))
         done.append(name)
-    if specs_module is not None:
-        cfg = apply_env_strategy(specs_module)
-        if cfg is not None:
-            logger.warning("megatron_scalevec: %s=%s: --spec scalevec_* use strategy %s",
-                           ENV_STRATEGY, os.environ.get(ENV_STRATEGY, ""), cfg.to_string())
     return done
 
 
@@ -271,7 +272,7 @@ def install() -> bool:
         from megatron.core.package_info import __version__ as core_version  # noqa: PLC0415
     except ImportError:
         return False  # not inside Megatron-LM: nothing to install
-    from megatron_scalevec.training.ckpt_guard import install_metadata_guard  # noqa: PLC0415
+    from megatron_scalevec.convert.safe_load import install_metadata_guard  # noqa: PLC0415
 
     install_metadata_guard()  # Megatron-LM's --load: DCP .metadata never unpickles code
     missing = [n for n in WRAPPED if not hasattr(training, n)]
@@ -287,6 +288,6 @@ def install() -> bool:
             f"scale-vector statistics are logged. Set {ENV_FORCE}=1 to try anyway.",
             stacklevel=2)
         return False
-    install_into(training, sys.modules.get("megatron_scalevec.specs"))
+    install_into(training)
     _state["installed"] = True
     return True

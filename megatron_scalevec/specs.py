@@ -3,10 +3,11 @@
 * :func:`get_scalevec_layer_spec` -- one transformer layer (dense, or MoE with ``num_experts``).
 * :func:`get_scalevec_block_spec` -- the layers of one pipeline stage (dense or MoE per layer
   from ``config.moe_layer_freq``) plus our final norm, for ``GPTModel(transformer_layer_spec=)``.
-* ``scalevec_dense`` / ``scalevec_moe`` -- module attributes in the form Megatron-LM's
-  ``--spec megatron_scalevec.specs scalevec_moe`` imports: a ``ModuleSpec`` of
-  ``TransformerBlock`` whose submodules are sized lazily when the block is built, from the
-  config registered with :func:`building` (our trainer) or from Megatron-LM's parsed args.
+* ``scalevec_dense`` / ``scalevec_moe`` -- a ``ModuleSpec`` of ``TransformerBlock`` whose
+  submodules are sized lazily when the block is built, from the config registered with
+  :func:`building` (our trainer) or from Megatron-LM's parsed args (Megatron-LM's ``--spec``
+  names :mod:`megatron_scalevec.megatron_lm_spec`, which re-exports them and installs the
+  hooks; this module has no side effects on import and imports no installer).
   A layer-only spec would get megatron-core's default final norm, which has a plain gamma and
   refuses sequence parallelism, hence a block spec.
 * :func:`scalevec_moe_spec` / :func:`scalevec_dense_spec` -- the same as callables of the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Optional, Union
 
 from megatron.core import parallel_state
@@ -217,6 +219,8 @@ def scalevec_dense_spec(config, vp_stage: Optional[int] = None, *,
 
 
 _BUILD_STACK: list = []
+# The module Megatron-LM's --spec names; it installs our hooks (this module never imports it).
+MEGATRON_LM_SPEC_MODULE = "megatron_scalevec.megatron_lm_spec"
 
 
 @contextlib.contextmanager
@@ -234,7 +238,6 @@ def _build_context():
         return _BUILD_STACK[-1]
     try:  # Megatron-LM: the spec module is imported after its arguments are parsed.
         from megatron.training import get_args  # noqa: PLC0415
-        from megatron.training.arguments import core_transformer_config_from_args  # noqa: PLC0415
 
         args = get_args()
     except Exception:  # noqa: BLE001 -- any failure means "not inside Megatron-LM"
@@ -244,6 +247,13 @@ def _build_context():
             "a lazy scale-vector block spec was built outside a build context: wrap the model "
             "construction in `with megatron_scalevec.specs.building(config):` or use "
             "get_scalevec_block_spec(config, ...)")
+    if MEGATRON_LM_SPEC_MODULE not in sys.modules:  # e.g. the pre-0.2 `--spec ...specs ...`
+        raise RuntimeError(
+            f"inside Megatron-LM pass `--spec {MEGATRON_LM_SPEC_MODULE} scalevec_moe` (or "
+            f"scalevec_dense): megatron_scalevec.specs installs no IWD or statistics hooks, "
+            f"so the run would silently use Megatron's own weight decay")
+    from megatron.training.arguments import core_transformer_config_from_args  # noqa: PLC0415
+
     return core_transformer_config_from_args(args), \
         parallel_state.get_virtual_pipeline_model_parallel_rank()
 
@@ -277,7 +287,3 @@ def block_module_spec(scalevec: StrategyLike) -> ModuleSpec:
 
 scalevec_dense = block_module_spec("unified")
 scalevec_moe = block_module_spec("unified")
-
-if "megatron.training" in __import__("sys").modules:  # imported by Megatron-LM's --spec
-    from megatron_scalevec.megatron_lm import install  # noqa: E402 (see megatron_lm.py)
-    install()

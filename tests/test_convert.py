@@ -30,7 +30,7 @@ def _stock_with_gammas(arch, positive=True):
     """A stock model whose norm weights are not 1 (so a lost gamma shows)."""
     import torch
 
-    from megatron_scalevec.convert.arch import build_model
+    from megatron_scalevec.convert.build import build_model
 
     model = build_model(arch.replace(scalevec="stock"))
     g = torch.Generator().manual_seed(5)
@@ -45,7 +45,7 @@ def _stock_with_gammas(arch, positive=True):
 
 
 def _logits_of(arch, sd):
-    from megatron_scalevec.convert.arch import build_model, logits, sample_batch
+    from megatron_scalevec.convert.build import build_model, logits, sample_batch
     from megatron_scalevec.convert.io import load_full_into
 
     model = build_model(arch)
@@ -64,7 +64,7 @@ ARCHS = {"plain": {}, "qk_norm": dict(qk_layernorm=True),
 
 
 def _warm_case(rank, world, kind):
-    from megatron_scalevec.convert.arch import logits, sample_batch
+    from megatron_scalevec.convert.build import logits, sample_batch
     from megatron_scalevec.convert.io import full_state_dict
     from megatron_scalevec.convert.warmstart import FunctionChangeError, warm_start
 
@@ -103,7 +103,7 @@ FOLD = ["hg", "hg+dp", "hg+dp+or", "hg+er", "shared+or", "shared+dp+er", "none"]
 def _fold_case(rank, world, kind):
     import torch
 
-    from megatron_scalevec.convert.arch import build_model, logits, sample_batch
+    from megatron_scalevec.convert.build import build_model, logits, sample_batch
     from megatron_scalevec.convert.fold import fold_to_stock
     from megatron_scalevec.testing.models import perturb_vectors
 
@@ -146,7 +146,7 @@ def _hf_case(rank, world, tmp, strategy, extra):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_scalevec.convert.arch import build_model, logits, sample_batch
+    from megatron_scalevec.convert.build import build_model, logits, sample_batch
     from megatron_scalevec.convert.fold import fold_to_stock
     from megatron_scalevec.convert.hf import export_hf, import_hf
     from megatron_scalevec.convert.warmstart import warm_start
@@ -194,7 +194,7 @@ def test_hf_export_and_import(tmp_path, case):
 
 def _refusal_case(rank, world, tmp):
     from megatron_scalevec.convert.api import convert
-    from megatron_scalevec.convert.arch import build_model
+    from megatron_scalevec.convert.build import build_model
     from megatron_scalevec.convert.io import full_state_dict, save_full
     from megatron_scalevec.convert.warmstart import FunctionChangeError
 
@@ -241,7 +241,7 @@ def test_refused_conversions_leave_nothing(tmp_path):
 def _save_tp2(rank, world, tmp, strategy):
     import torch
 
-    from megatron_scalevec.convert.arch import build_model, sample_batch
+    from megatron_scalevec.convert.build import build_model, sample_batch
     from megatron_scalevec.convert.io import save_dist
     from megatron_scalevec.testing import gather_full_tensor, init_model_parallel
     from megatron_scalevec.testing.models import perturb_vectors
@@ -278,7 +278,7 @@ def _cli_case(rank, world, tmp):
     import importlib.util as iu
 
     from megatron_scalevec.convert.api import read_checkpoint
-    from megatron_scalevec.convert.arch import build_model
+    from megatron_scalevec.convert.build import build_model
     from megatron_scalevec.convert.io import full_state_dict, save_full
 
     arch = _arch(scalevec="hg+dp")
@@ -412,7 +412,7 @@ def _export_vs_megatron(rank, world, ck, out):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_scalevec.convert.api import read_checkpoint
-    from megatron_scalevec.convert.arch import build_model, logits, sample_batch
+    from megatron_scalevec.convert.build import build_model, logits, sample_batch
     from megatron_scalevec.convert.io import load_full_into
 
     sd, arch = read_checkpoint(ck)
@@ -456,7 +456,7 @@ MOE_RUN = ["--spec", "scalevec_moe", "--num-experts", "4", "--moe-ffn-hidden-siz
 
 
 def _write_moe_source(rank, world, path):
-    from megatron_scalevec.convert.arch import build_model
+    from megatron_scalevec.convert.build import build_model
     from megatron_scalevec.convert.io import full_state_dict, save_full
     from megatron_scalevec.testing.models import perturb_vectors
 

@@ -151,7 +151,7 @@ def test_no_code_on_load_forces_weights_only(tmp_path):
     every torch.load is weights-only, and the old numpy RNG state still loads."""
     import numpy as np
 
-    from megatron_scalevec.training.ckpt_guard import no_code_on_load
+    from megatron_scalevec.convert.safe_load import no_code_on_load
 
     marker = tmp_path / "pwned"
     buf = io.BytesIO()
@@ -271,7 +271,7 @@ def test_metadata_guard_for_megatron_lm(tmp_path, monkeypatch):
     refuses pickled code."""
     import torch.distributed.checkpoint.filesystem as fs
 
-    from megatron_scalevec.training.ckpt_guard import install_metadata_guard
+    from megatron_scalevec.convert.safe_load import install_metadata_guard
 
     monkeypatch.setattr(fs, "pickle", fs.pickle)  # restored after the test
     install_metadata_guard()

@@ -64,7 +64,7 @@ def _export_case(rank, world, tmp, strategy, dtype_name, tokenizer, extra, cli=F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_scalevec.convert.api import convert
-    from megatron_scalevec.convert.arch import build_model, logits, sample_batch
+    from megatron_scalevec.convert.build import build_model, logits, sample_batch
     from megatron_scalevec.convert.io import full_state_dict, save_full
     from megatron_scalevec.testing.models import perturb_vectors
 

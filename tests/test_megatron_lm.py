@@ -1,9 +1,11 @@
 """Megatron-LM integration without a Megatron-LM checkout (CI has none).
 
-* the ``--spec megatron_scalevec.specs scalevec_*`` import contract and the built model;
+* the ``--spec megatron_scalevec.megatron_lm_spec scalevec_*`` import contract and the built
+  model;
 * the installer: a no-op without ``megatron.training``; against a stand-in
-  ``megatron.training.training`` (in a forked process) it wraps once, and the import hook at
-  the end of specs.py installs it and applies ``MEGATRON_SCALEVEC``;
+  ``megatron.training.training`` (in a forked process) it wraps once, importing the ``--spec``
+  module installs it and applies ``MEGATRON_SCALEVEC``, importing ``specs`` installs nothing,
+  and the old ``--spec megatron_scalevec.specs`` is refused inside Megatron-LM;
 * the IWD override function, called with a fake ``args``, decays exactly the Input-Norm parts.
 """
 
@@ -33,11 +35,11 @@ def test_import_module_returns_our_block_module_spec():
     from megatron.core.transformer.spec_utils import ModuleSpec, import_module
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_scalevec import specs
+    from megatron_scalevec import megatron_lm_spec, specs
 
     for name in ("scalevec_moe", "scalevec_dense"):
-        spec = import_module(["megatron_scalevec.specs", name])
-        assert spec is vars(specs)[name]
+        spec = import_module(["megatron_scalevec.megatron_lm_spec", name])
+        assert spec is vars(megatron_lm_spec)[name]
         assert isinstance(spec, ModuleSpec) and issubclass(spec.module, TransformerBlock)
         assert isinstance(spec.submodules, specs.ScaleVecBlockSubmodules)
         assert spec.submodules.scalevec.to_string() == "hg+dnp+or+iwd"
@@ -53,7 +55,8 @@ def _build_and_forward(rank, world, moe):
 
     init_model_parallel()
     config = tiny_config(**(dict(MOE, moe_layer_freq=[1, 0]) if moe else {}))
-    spec = import_module(["megatron_scalevec.specs", "scalevec_moe" if moe else "scalevec_dense"])
+    spec = import_module(["megatron_scalevec.megatron_lm_spec",
+                          "scalevec_moe" if moe else "scalevec_dense"])
     torch.manual_seed(0)
     with building(config):
         model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
@@ -83,13 +86,12 @@ def test_spec_object_builds_a_working_gpt(moe):
 def test_installer_is_a_noop_without_megatron_training():
     if importlib.util.find_spec("megatron.training") is not None:
         pytest.skip("a Megatron-LM checkout is importable here")
-    from megatron_scalevec import specs
-
-    before = specs.scalevec_moe
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not inside Megatron-LM: silent
+        from megatron_scalevec import megatron_lm_spec  # noqa: F401
+
         assert megatron_lm.install() is False
-    assert "megatron.training" not in sys.modules and specs.scalevec_moe is before
+    assert "megatron.training" not in sys.modules
     assert megatron_lm._state["installed"] is False
 
 
@@ -142,8 +144,9 @@ def _fake_megatron_lm(log_interval=2):
 
 
 def _hook_and_wrappers(rank, world):
-    """In a fork: the specs.py import hook installs into a stand-in Megatron-LM, applies the
-    environment's strategy, wraps once; the wrappers then do their jobs."""
+    """In a fork: importing specs installs nothing; importing the --spec module installs into a
+    stand-in Megatron-LM, applies the environment's strategy, wraps once; the wrappers then do
+    their jobs."""
     import os
 
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -154,15 +157,20 @@ def _hook_and_wrappers(rank, world):
     training, calls = _fake_megatron_lm()
     os.environ["MEGATRON_SCALEVEC"] = "hg+dp+er+iwd"
     sys.modules.pop("megatron_scalevec.specs", None)
-    specs = importlib.import_module("megatron_scalevec.specs")  # runs the hook
-    out = {"installed": megatron_lm._state["installed"],
-           "strategy": specs.scalevec_moe.submodules.scalevec.to_string(),
-           "wrapped_again": megatron_lm.install_into(training)}
+    sys.modules.pop("megatron_scalevec.megatron_lm_spec", None)
+    specs = importlib.import_module("megatron_scalevec.specs")
+    out = {"specs_installed": megatron_lm._state["installed"]
+           or hasattr(training.training_log, "__scalevec_original__")}
+    lm_spec = importlib.import_module("megatron_scalevec.megatron_lm_spec")  # installs
+    out.update({"installed": megatron_lm._state["installed"],
+                "strategy": lm_spec.scalevec_moe.submodules.scalevec.to_string(),
+                "specs_strategy": specs.scalevec_moe.submodules.scalevec.to_string(),
+                "wrapped_again": megatron_lm.install_into(training)})
     config = tiny_config()
     with specs.building(config):
-        model = GPTModel(config, specs.scalevec_moe, vocab_size=VOCAB, max_sequence_length=SEQ,
-                         position_embedding_type="rope")
-    args = types.SimpleNamespace(spec=["megatron_scalevec.specs", "scalevec_moe"])
+        model = GPTModel(config, lm_spec.scalevec_moe, vocab_size=VOCAB,
+                         max_sequence_length=SEQ, position_embedding_type="rope")
+    args = types.SimpleNamespace(spec=["megatron_scalevec.megatron_lm_spec", "scalevec_moe"])
     opt_config, overrides = training.get_megatron_optimizer_config(args)
     printed = []
     builder = megatron_lm.wrap_optimizer_builder(lambda c, m, **kw: kw["config_overrides"],
@@ -177,8 +185,9 @@ def _hook_and_wrappers(rank, world):
 
 def test_import_hook_installs_into_megatron_lm_once():
     out = run_on_ranks(_hook_and_wrappers, 1)[0]
+    assert not out["specs_installed"]  # specs is a leaf: no hook on import
     assert out["installed"] and out["wrapped_again"] == []
-    assert out["strategy"] == "hg+dp+er+iwd"
+    assert out["strategy"] == "hg+dp+er+iwd" and out["specs_strategy"] == "hg+dnp+or+iwd"
     assert out["builder_passes_overrides"]
     assert "input_vectors" in out["summary"] and "hg+dp+er+iwd" in out["summary"]
     calls = out["calls"]
@@ -190,6 +199,23 @@ def test_import_hook_installs_into_megatron_lm_once():
     assert any(k.startswith("scalevec/decoder.layers.1.") and k.endswith("/norm") for k in keys)
     assert any(k.endswith("/conservation") for k in keys)
     assert len(calls["printed"]) == 2 and "|gamma| mean" in calls["printed"][0]
+
+
+def test_old_spec_module_is_refused_inside_megatron_lm(monkeypatch):
+    """`--spec megatron_scalevec.specs ...` (no hooks installed) fails when the block is sized
+    from Megatron-LM's args, naming the --spec module to use, instead of silently training
+    without IWD; with the --spec module imported it gets past that check."""
+    from megatron_scalevec import specs
+
+    package = types.ModuleType("megatron.training")
+    package.get_args = lambda: types.SimpleNamespace(spec=["megatron_scalevec.specs", "x"])
+    monkeypatch.setitem(sys.modules, "megatron.training", package)
+    monkeypatch.delitem(sys.modules, specs.MEGATRON_LM_SPEC_MODULE, raising=False)
+    with pytest.raises(RuntimeError, match="--spec megatron_scalevec.megatron_lm_spec"):
+        _ = specs.scalevec_moe.submodules.layer_specs
+    monkeypatch.setitem(sys.modules, specs.MEGATRON_LM_SPEC_MODULE, types.ModuleType("x"))
+    with pytest.raises(ImportError):  # the stand-in has no megatron.training.arguments
+        _ = specs.scalevec_moe.submodules.layer_specs
 
 
 def _expected_wd(name, p):
@@ -219,7 +245,8 @@ def _iwd_groups(rank, world, moe):
                                           "get_gpt_layer_local_spec"])
     _, stock = wrapped(foreign)
     name = "scalevec_moe" if moe else "scalevec_dense"
-    config, overrides = wrapped(types.SimpleNamespace(spec=["megatron_scalevec.specs", name]))
+    config, overrides = wrapped(
+        types.SimpleNamespace(spec=["megatron_scalevec.megatron_lm_spec", name]))
     mconf = tiny_config(**(MOE if moe else {}))
     with specs.building(mconf):
         model = GPTModel(mconf, getattr(specs, name), vocab_size=VOCAB,

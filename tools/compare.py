@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_scalevec.evidence.compare import main  # noqa: E402
+from evidence.compare import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

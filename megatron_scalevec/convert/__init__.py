@@ -3,7 +3,9 @@
 One module per direction, all exchanging *full state dicts* (name -> whole tensor, stock
 megatron-core names at TP=PP=1):
 
-* :mod:`.arch` -- :class:`ModelArch`, what it takes to rebuild a model; building helpers.
+* :mod:`.arch` -- :class:`ModelArch`, what it takes to rebuild a model (data only).
+* :mod:`.build` -- the model a ``ModelArch`` describes, at the current layout; logits.
+* :mod:`.safe_load` -- the one code-free loader (converters, trainer, Megatron-LM's load).
 * :mod:`.io` -- safe reading/writing (safetensors, dist checkpoints at any layout, atomic
   output directories, progress bar).
 * :mod:`.warmstart` -- stock/shared -> any variant (function-preserving; DNP on request).
@@ -18,9 +20,17 @@ megatron-core names at TP=PP=1):
 ``tools/convert_checkpoint.py`` is the command line over these.
 """
 
-from megatron_scalevec.convert.arch import ModelArch, build_model
-from megatron_scalevec.convert.fold import fold_state_dict, fold_to_stock
-from megatron_scalevec.convert.warmstart import FunctionChangeError, warm_start
+import importlib
 
-__all__ = ["FunctionChangeError", "ModelArch", "build_model", "fold_state_dict",
-           "fold_to_stock", "warm_start"]
+# Re-exported lazily (PEP 562): importing one submodule (``convert.arch``, data only, or
+# ``convert.safe_load``, the code-free loader the trainer uses) builds no model code.
+_EXPORTS = {"ModelArch": "arch", "build_model": "build", "fold_state_dict": "fold",
+            "fold_to_stock": "fold", "FunctionChangeError": "warmstart",
+            "warm_start": "warmstart"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from megatron_scalevec.convert import hf as _hf
-from megatron_scalevec.convert.arch import ARCH_FILE, STOCK, ModelArch, build_model
+from megatron_scalevec.convert.arch import ARCH_FILE, STOCK, ModelArch
+from megatron_scalevec.convert.build import build_model
 from megatron_scalevec.convert.fold import fold_state_dict
 from megatron_scalevec.convert.io import (
     TOKENIZER_FILE,
@@ -141,7 +142,7 @@ def _canonical(strategy: str) -> str:
 
 
 def _diff_to_source(sd, arch, stock_sd, stock_arch) -> float:
-    from megatron_scalevec.convert.arch import logits, sample_batch
+    from megatron_scalevec.convert.build import logits, sample_batch
 
     a, b = build_model(arch), build_model(stock_arch)
     load_full_into(a, sd, "source")

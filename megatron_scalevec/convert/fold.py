@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_scalevec.convert.arch import ModelArch, build_model
+from megatron_scalevec.convert.arch import ModelArch
+from megatron_scalevec.convert.build import build_model
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes
 from megatron_scalevec.convert.warmstart import FunctionChangeError, _stock_shapes, norm_consumers
 from megatron_scalevec.vectors import ScaleVector

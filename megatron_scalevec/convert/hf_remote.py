@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 
 from megatron_scalevec.convert import hf as _hf
-from megatron_scalevec.convert.arch import ModelArch, build_model, logits, sample_batch
+from megatron_scalevec.convert.arch import ModelArch
+from megatron_scalevec.convert.build import build_model, logits, sample_batch, transformer_config
 from megatron_scalevec.convert.io import (
     StateDict,
     atomic_output_dir,
@@ -152,7 +153,7 @@ def export(sd: StateDict, arch: ModelArch, out_dir: str, *, overwrite: bool = Fa
         load_full_into(model, sd, f"{arch.scalevec} state dict")
         stock_sd, stock_arch, dnp = fold_to_stock(model, arch, keep_dnp=True)
     if arch.is_moe:
-        check_routing(arch.transformer_config())
+        check_routing(transformer_config(arch))
     remote = bool(dnp) or stock_fits(stock_arch) is not None
     hf_sd = _hf.stock_to_hf(stock_sd, stock_arch, remote)
     expected = _hf._expected_hf_shapes(stock_arch, remote)

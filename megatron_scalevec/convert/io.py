@@ -7,19 +7,15 @@ exchange them). On one process at TP=PP=1 that is ``model.state_dict()`` without
 megatron-core's resharding load, and a checkpoint saved from it loads at any layout.
 
 Safety rules (issue 5): nothing here unpickles code. Weights are read with safetensors;
-dist checkpoints through ``torch.load(weights_only=True)`` and a restricted unpickler for
-``torch.distributed.checkpoint``'s metadata file. Output goes to a temporary sibling
-directory that is renamed into place only when everything was written, so a failed
-conversion leaves no output directory.
+dist checkpoints inside ``safe_load.no_code_on_load`` (the one code-free loader). Output goes
+to a temporary sibling directory that is renamed into place only when everything was written,
+so a failed conversion leaves no output directory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import io as _io
 import os
-import pickle
 import shutil
 import sys
 import tempfile
@@ -29,6 +25,7 @@ from typing import Optional
 import torch
 
 from megatron_scalevec.convert.arch import ARCH_FILE, ModelArch
+from megatron_scalevec.convert.safe_load import no_code_on_load
 
 StateDict = dict[str, torch.Tensor]
 WEIGHTS_FILE = "model.safetensors"
@@ -186,58 +183,6 @@ def load_full(in_dir: str):
 
 
 # ---- dist_checkpointing (any TP/PP/EP) ---------------------------------------------------
-
-_SAFE_GLOBAL_PREFIXES = ("torch.distributed.checkpoint.", "torch.distributed._shard.",
-                         "megatron.core.dist_checkpointing.")
-_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
-                 ("builtins", "frozenset"), ("builtins", "slice"),
-                 ("torch.serialization", "_get_layout")}
-
-
-class _DataOnlyUnpickler(pickle.Unpickler):
-    """Loads the dist-checkpoint metadata file: its dataclasses, torch sizes and dtypes only."""
-
-    def find_class(self, module, name):
-        if module.startswith(_SAFE_GLOBAL_PREFIXES) or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint "
-                                     f"metadata (only data classes are allowed)")
-
-
-class _SafePickleModule:
-    dump = staticmethod(pickle.dump)
-    dumps = staticmethod(pickle.dumps)
-    HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
-
-    @staticmethod
-    def load(f, **_):
-        return _DataOnlyUnpickler(f).load()
-
-    @staticmethod
-    def loads(b, **_):
-        return _DataOnlyUnpickler(_io.BytesIO(b)).load()
-
-
-@contextlib.contextmanager
-def _no_code_unpickling():
-    """While loading a dist checkpoint: torch.load only with weights_only=True, and the DCP
-    metadata file through the data-only unpickler."""
-    import torch.distributed.checkpoint.filesystem as fs
-
-    if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
-        raise RuntimeError("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: refusing to load a "
-                           "checkpoint that could then run pickled code")
-    orig_load, orig_pickle = torch.load, fs.pickle
-    torch.load = functools.partial(orig_load, weights_only=True)
-    fs.pickle = _SafePickleModule
-    try:
-        yield
-    finally:
-        torch.load, fs.pickle = orig_load, orig_pickle
-
-
 def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
     """``dist_checkpointing.load`` of model tensors only, with no code unpickled: the DCP
     metadata through the data-only unpickler, ``torch.load`` weights-only, and the common
@@ -246,7 +191,7 @@ def load_sharded(sharded: dict, ckpt_dir: str) -> dict:
 
     from megatron_scalevec.compat.mcore import load_tensors_only
 
-    with _no_code_unpickling():
+    with no_code_on_load():
         strategy = get_default_load_sharded_strategy(ckpt_dir)
         return load_tensors_only(sharded, ckpt_dir, strategy)
 
@@ -263,7 +208,7 @@ def load_dist(ckpt_dir: str, arch: Optional[ModelArch] = None, scalevec: Optiona
     Returns the model. On one process this gives TP=PP=1, so ``full_state_dict(model)`` is
     the checkpoint's full state dict. A Megatron-LM checkpoint keeps the model's tensors under
     its own keys, which this reads directly (its pickled ``args`` are never loaded)."""
-    from megatron_scalevec.convert.arch import build_model
+    from megatron_scalevec.convert.build import build_model
 
     arch = arch or ModelArch.load(ckpt_dir)
     model = build_model(arch, scalevec)
@@ -327,12 +272,9 @@ def resolve_checkpoint(path: str) -> str:
 def verify_checkpoint_files(path: str, hashes: bool = True) -> None:
     """Check ``path`` against its checksum manifest (written by the trainer, issue 11 item 2:
     ``training/ckpt_guard.py``) before reading it; a checkpoint without one passes.
-    ``hashes=False``: sizes only (``--no-verify-checkpoint``). Until that module is merged
-    this is a no-op."""
-    try:
-        from megatron_scalevec.training.ckpt_guard import verify_checkpoint  # noqa: PLC0415
-    except ImportError:
-        return
+    ``hashes=False``: sizes only (``--no-verify-checkpoint``)."""
+    from megatron_scalevec.training.ckpt_guard import verify_checkpoint  # noqa: PLC0415
+
     try:
         verify_checkpoint(path, hashes=hashes)
     except RuntimeError as e:  # ckpt_guard.CheckpointError: one line naming the file

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.convert.arch import ModelArch, build_model, logits, sample_batch
+from megatron_scalevec.convert.arch import ModelArch
+from megatron_scalevec.convert.build import build_model, logits, sample_batch
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes, load_full_into
 
 # Stock names of the QK norms; our attention calls them q_norm / k_norm.

@@ -45,7 +45,7 @@ def transformer_config(args, vocab_size):
 
 def _layer_spec(args):
     """megatron-core's own spec for ``baseline``; otherwise the same lazy block ModuleSpec that
-    Megatron-LM's ``--spec megatron_scalevec.specs scalevec_moe`` imports (sized inside
+    Megatron-LM's ``--spec megatron_scalevec.megatron_lm_spec scalevec_moe`` imports (sized in
     ``specs.building``)."""
     if args.spec == "baseline":
         from megatron.core.models.gpt import gpt_layer_specs  # noqa: PLC0415

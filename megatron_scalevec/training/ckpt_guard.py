@@ -5,15 +5,12 @@ that cannot run code.
   and the megatron-core and torch versions that wrote it. Written after all files and before the
   checkpoint is published; checked on load (``--no-verify-checkpoint`` skips the hashing, the
   version check stays). The ranks hash disjoint subsets of the files.
-* Nothing read from a checkpoint can execute code: torch DCP's ``.metadata`` goes through the
-  converter's data-only unpickler (``convert/io.py``), every ``torch.load`` (common state,
-  sharded objects in the ``.distcp`` files, which torch's planner loads with
-  ``weights_only=False``) is forced to ``weights_only=True``.
+* Nothing read from a checkpoint can execute code: loads run inside
+  ``convert.safe_load.no_code_on_load`` (the one code-free loader, shared with the converters).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import json
 import os
@@ -21,14 +18,16 @@ import os
 import torch
 import torch.distributed as dist
 
+# the one code-free loader and its error (re-exported: the trainer catches CheckpointError)
+from megatron_scalevec.convert.safe_load import (  # noqa: F401
+    CheckpointError,
+    install_metadata_guard,
+    no_code_on_load,
+)
 from megatron_scalevec.training.corpus import sha256_file
 
 MANIFEST = "scalevec_manifest.json"
 MANIFEST_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupt or made for another model."""
 
 
 def megatron_core_version() -> str:
@@ -165,51 +164,3 @@ def version_note(manifest) -> str:
     if writer and _version_tuple(writer) != _version_tuple(installed):
         return f" (written by megatron-core {writer}, installed {installed})"
     return ""
-
-
-# --- loading that cannot run code --------------------------------------------------------
-def _numpy_rng_globals() -> list:
-    """What an old checkpoint's pickled numpy RNG state needs (arrays only, no callables)."""
-    import numpy as np  # noqa: PLC0415
-
-    try:
-        from numpy._core.multiarray import _reconstruct  # noqa: PLC0415
-    except ImportError:
-        from numpy.core.multiarray import _reconstruct  # noqa: PLC0415
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-
-
-@contextlib.contextmanager
-def no_code_on_load():
-    """While loading a dist checkpoint: the DCP ``.metadata`` file through the data-only
-    unpickler and every ``torch.load`` with ``weights_only=True`` (even where the caller passes
-    ``weights_only=False``)."""
-    import torch.distributed.checkpoint.filesystem as fs  # noqa: PLC0415
-
-    from megatron_scalevec.convert.io import _SafePickleModule  # noqa: PLC0415
-
-    if os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
-        raise CheckpointError("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set: refusing to load a "
-                              "checkpoint that could then run pickled code")
-    orig_load, orig_pickle = torch.load, fs.pickle
-
-    def weights_only_load(*args, **kwargs):
-        kwargs["weights_only"] = True
-        return orig_load(*args, **kwargs)
-
-    torch.load, fs.pickle = weights_only_load, _SafePickleModule
-    try:
-        with torch.serialization.safe_globals(_numpy_rng_globals()):
-            yield
-    finally:
-        torch.load, fs.pickle = orig_load, orig_pickle
-
-
-def install_metadata_guard() -> None:
-    """For processes we do not drive (Megatron-LM's own load): DCP's ``.metadata`` is always
-    read with the data-only unpickler. Idempotent."""
-    import torch.distributed.checkpoint.filesystem as fs  # noqa: PLC0415
-
-    from megatron_scalevec.convert.io import _SafePickleModule  # noqa: PLC0415
-
-    fs.pickle = _SafePickleModule

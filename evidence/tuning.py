@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_scalevec.evidence import stats
+from evidence import stats
 
 TUNE_SEED0 = 1000  # tuning seeds are TUNE_SEED0 + 1.., comparison seeds 1..
 

@@ -20,7 +20,7 @@ import os
 import textwrap
 import time
 
-from megatron_scalevec.evidence import runner, stats, tuned, tuning
+from evidence import runner, stats, tuned, tuning
 
 
 def build_parser():

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_scalevec.evidence import ablation, compare, runner, scaling, stats, tuned, tuning
+from evidence import ablation, compare, runner, scaling, stats, tuned, tuning
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
         "--seq-length", "32", "--micro-batch-size", "2", "--eval-iters", "1"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_scalevec.evidence import fp8, fp8_run
+from evidence import fp8, fp8_run
 
 E4 = fp8.Scaling("e4m3")
 E5 = fp8.Scaling("e5m2")
@@ -209,7 +209,7 @@ def test_bad_recipe_and_placement_fail_clearly():
 
 
 def test_report_flags_folding_above_1_5x_and_loss_gap():
-    from megatron_scalevec.evidence import fp8_report
+    from evidence import fp8_report
 
     def rows(folded):
         out = []

@@ -25,7 +25,7 @@ import math
 import os
 import random
 
-from megatron_scalevec.evidence import runner, stats, tuning
+from evidence import runner, stats, tuning
 
 STRATEGIES = ("shared", "hg+dnp+or+iwd")
 

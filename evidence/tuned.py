@@ -23,7 +23,7 @@ import math
 import os
 import sys
 
-from megatron_scalevec.evidence import runner, stats, tuning
+from evidence import runner, stats, tuning
 
 BASELINES = ["shared", "shared+qknorm", "stock", "none"]
 CANDIDATES = ["unified"]
@@ -99,8 +99,6 @@ def _variant_argv(a, family, variant, width):
 
 def make_run(a, base_argv, family, setting, variant, lr, seed, width=None, phase="tune"):
     """One trainer invocation; ``base_argv(a, family, seed)`` gives the model and budget."""
-    from megatron_scalevec.evidence import ablation  # noqa: PLC0415
-
     opt, sched = parse_setting(setting)
     argv = _variant_argv(a, family, variant, width) + [
         "--lr", f"{lr:g}", "--min-lr", f"{lr * a.min_lr_ratio:g}", "--optimizer", opt,
@@ -108,7 +106,7 @@ def make_run(a, base_argv, family, setting, variant, lr, seed, width=None, phase
     if variant == "stock" and family != "moe":
         k = argv.index("--ffn-hidden-size")
         argv[k + 1] = str(width)
-    iters = ablation._iters(a, family)
+    iters = runner.train_iters(a, family)
     return runner.Run(f"{family}/{setting}/{variant}/lr{lr:g}/seed{seed}", argv, iters,
                       dict(family=family, setting=setting, variant=variant, lr=lr, seed=seed,
                            phase=phase))
@@ -258,19 +256,13 @@ def summarize(a, base_argv, root, grids) -> list:
                                     if "shared" in fam and v != "shared" else None)
                 p = [i["params"].get("total") for i in row["infos"] if i["params"]]
                 row["params"] = p[0] if p else math.nan
-                iters = base_argv_iters(a, family)
+                iters = runner.train_iters(a, family)
                 row["tokens_per_param"] = (iters * a.seq_length * a.micro_batch_size
                                            / row["params"] if p else math.nan)
                 walls = [i["wall"] for i in row["infos"] if i["wall"]]
                 row["wall_s"] = stats.mean(walls) if walls else math.nan
                 rows.append(row)
     return rows
-
-
-def base_argv_iters(a, family):
-    from megatron_scalevec.evidence import ablation  # noqa: PLC0415
-
-    return ablation._iters(a, family)
 
 
 def _g(x, fmt):

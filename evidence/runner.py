@@ -1,7 +1,7 @@
 """Run many trainer invocations resumably, one subprocess per run, with overall progress.
 
 Each run is ``trainer.main(argv)`` in a fresh Python process (``python -m
-megatron_scalevec.evidence.runner RUN_DIR -- ARGV``), so a crash or a kill costs one run, and
+evidence.runner RUN_DIR -- ARGV``), so a crash or a kill costs one run, and
 no state leaks between strategies. A run is done when its ``metrics.jsonl`` holds the final
 iteration with a validation loss; finished runs are never redone, unfinished ones restart from
 scratch (they are short). The worker also records the parameter count (total and scale-vector
@@ -26,6 +26,11 @@ class Run:
     argv: list
     train_iters: int
     labels: dict = dataclasses.field(default_factory=dict)
+
+
+def train_iters(a, family: str) -> int:
+    """Iterations of one run of ``family`` (MoE may have its own count), from parsed args."""
+    return a.moe_train_iters if family == "moe" and a.moe_train_iters else a.train_iters
 
 
 def read_metrics(run_dir: str) -> list:
@@ -80,7 +85,7 @@ def execute(runs: list, root: str, log=print, threads: int | None = None, retrie
     total, done = len(runs), len(runs) - len(todo)
     log(f"[sweep] {total} runs, {done} already done, {len(todo)} to run under {root}")
     env = dict(os.environ)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(x for x in (repo, env.get("PYTHONPATH")) if x)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -93,7 +98,7 @@ def execute(runs: list, root: str, log=print, threads: int | None = None, retrie
             r, attempt = queue.pop(0)
             d = dirs[r.key]
             os.makedirs(d, exist_ok=True)
-            cmd = [sys.executable, "-m", "megatron_scalevec.evidence.runner", d, "--", *r.argv]
+            cmd = [sys.executable, "-m", "evidence.runner", d, "--", *r.argv]
             out = open(os.path.join(d, "stdout.txt"), "w")
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
             active[r.key] = (r, attempt, proc, out, time.time())

@@ -18,7 +18,7 @@ import json
 import os
 import time
 
-from megatron_scalevec.evidence import fp8, fp8_run, runner
+from evidence import fp8, fp8_run, runner
 
 SMALL = "--spec scalevec_dense --num-layers 2 --micro-batch-size 4 --seq-length 64"
 

@@ -20,7 +20,7 @@ import csv
 import math
 import os
 
-from megatron_scalevec.evidence import runner, stats, tuned
+from evidence import runner, stats, tuned
 
 LADDER = ["none", "shared", "hg", "hg+dp", "hg+dnp", "hg+dnp+or", "hg+dnp+er", "hg+dnp+or+iwd"]
 FAMILIES = ("dense", "moe")
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def finish_args(a):
     """Mode-dependent defaults: the tuned comparison is dense at 2.5 tokens per parameter; the
     fixed-LR ladder keeps its historical budget (250 steps, dense and MoE)."""
-    from megatron_scalevec.evidence.scaling import approx_params  # noqa: PLC0415
+    from evidence.scaling import approx_params  # noqa: PLC0415
 
     a.families = a.families or (["dense", "moe"] if a.fixed_lr else ["dense"])
     if a.train_iters is None:
@@ -80,7 +80,7 @@ def finish_args(a):
 
 def _base_argv(a, family: str, seed: int) -> list:
     ffn = a.ffn_hidden_size or 4 * a.hidden_size
-    iters = _iters(a, family)
+    iters = runner.train_iters(a, family)
     argv = ["--num-layers", a.num_layers, "--hidden-size", a.hidden_size,
             "--num-attention-heads", a.num_attention_heads, "--ffn-hidden-size", ffn,
             "--seq-length", a.seq_length, "--micro-batch-size", a.micro_batch_size,
@@ -90,10 +90,6 @@ def _base_argv(a, family: str, seed: int) -> list:
     if family == "moe":
         argv += ["--num-experts", a.num_experts]
     return [str(x) for x in argv] + a.trainer_args.split()
-
-
-def _iters(a, family):
-    return a.moe_train_iters if family == "moe" and a.moe_train_iters else a.train_iters
 
 
 def _spec(family):
@@ -110,7 +106,7 @@ def ladder_runs(a, family: str) -> list:
         for s in strategies:
             argv = ["--spec", _spec(family), "--scalevec", s, "--lr", str(a.lr),
                     *_base_argv(a, family, seed)]
-            runs.append(runner.Run(f"{family}/{s}/seed{seed}", argv, _iters(a, family),
+            runs.append(runner.Run(f"{family}/{s}/seed{seed}", argv, runner.train_iters(a, family),
                                    dict(family=family, variant=s, strategy=s, lr=a.lr,
                                         seed=seed)))
     return runs
@@ -125,7 +121,7 @@ def lr_runs(a, family: str) -> list:
             argv = ["--spec", _spec(family), "--scalevec", "none", "--lr", f"{lr:g}",
                     *_base_argv(a, family, seed)]
             runs.append(runner.Run(f"{family}/none@lr{lr:g}/seed{seed}", argv,
-                                   _iters(a, family),
+                                   runner.train_iters(a, family),
                                    dict(family=family, variant=f"none@lr{lr:g}",
                                         strategy="none", lr=lr, seed=seed)))
     return runs
@@ -163,7 +159,8 @@ def width_runs(a, family: str, root: str) -> list:
             argv += [flag, str(width)]
         else:
             argv[argv.index(flag) + 1] = str(width)
-        runs.append(runner.Run(f"{family}/width{width}/seed{seed}", argv, _iters(a, family),
+        runs.append(runner.Run(f"{family}/width{width}/seed{seed}", argv,
+                               runner.train_iters(a, family),
                                dict(family=family, variant=f"stock ffn={width}",
                                     strategy="stock", lr=a.lr, seed=seed, width=width)))
     return runs
