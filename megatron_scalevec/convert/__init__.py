@@ -18,9 +18,16 @@ megatron-core names at TP=PP=1):
 ``tools/convert_checkpoint.py`` is the command line over these.
 """
 
-from megatron_scalevec.convert.arch import ModelArch, build_model
-from megatron_scalevec.convert.fold import fold_state_dict, fold_to_stock
-from megatron_scalevec.convert.warmstart import FunctionChangeError, warm_start
+import importlib
 
-__all__ = ["FunctionChangeError", "ModelArch", "build_model", "fold_state_dict",
-           "fold_to_stock", "warm_start"]
+# Imported on first use (PEP 562): ``convert_checkpoint.py --help`` and the trainer's flag
+# parsing read ``convert.arch`` without importing megatron-core (and its Apex/TE warnings).
+_LAZY = {"ModelArch": "arch", "build_model": "arch", "fold_state_dict": "fold",
+         "fold_to_stock": "fold", "FunctionChangeError": "warmstart", "warm_start": "warmstart"}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -90,7 +90,7 @@ def parameter_line(total: int, vectors: int) -> str:
 class Throughput:
     """Elapsed time, ms/iteration, tokens/s and an ETA from an exponential moving average of
     the time per iteration; the first interval (start-up, first compilation) is not in the
-    average unless it is all there is."""
+    average, and a first interval of one iteration gives no ETA at all."""
 
     def __init__(self, tokens_per_iter: int, total_iters: int, start_iter: int,
                  alpha: float = 0.3):
@@ -111,7 +111,10 @@ class Throughput:
             self.avg = self.alpha * per_iter + (1 - self.alpha) * self.avg
         out = {"tokens_per_s": self.tokens_per_iter / max(per_iter, 1e-9),
                "s_per_iter": per_iter, "ms_per_iter": 1000 * per_iter,
-               "elapsed_s": now - self.start, "eta_s": self.avg * (self.total - iteration)}
+               "elapsed_s": now - self.start}
+        if self.intervals > 1 or di > 1 or iteration >= self.total:
+            out["eta_s"] = self.avg * (self.total - iteration)
+        # else: a first iteration alone (start-up, compilation) would give an ETA ~20x off
         if torch.cuda.is_available():
             out["mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return out
@@ -136,5 +139,6 @@ def format_line(rec: dict) -> str:
               f"{rec['tokens_per_s']:.0f} tok/s"]
     if "mem_gb" in rec:
         parts.append(f"mem {rec['mem_gb']:.1f} GB")
-    parts.append(f"eta {_fmt_s(rec['eta_s'])}")
+    parts.append(f"eta {_fmt_s(rec['eta_s'])}" if "eta_s" in rec else
+                 "eta after the first iteration (start-up, compiling)")
     return " | ".join(parts)
