@@ -60,7 +60,7 @@ def require(package: str, extra: str = "convert"):
         return importlib.import_module(package)
     except ImportError as e:
         raise ImportError(
-            f"this conversion needs the optional package {package!r}: "
+            f"this conversion needs the optional package {package!r} ({e}): "
             f"pip install 'megatron_scalevec[{extra}]' (or pip install {package})") from e
 
 

@@ -347,6 +347,11 @@ def _plot(args, log):
 
 def main(argv=None) -> list:
     """Entry point (console script ``megatron-scalevec-pretrain``). Returns the losses."""
+    with summary.library_deprecations_silenced():
+        return _main(argv)
+
+
+def _main(argv) -> list:
     from megatron_scalevec.training.ckpt_guard import CheckpointError  # noqa: PLC0415
     from megatron_scalevec.training.pretrained import PretrainedError  # noqa: PLC0415
 
