@@ -57,9 +57,12 @@ def main(argv=None) -> int:
     args = show_defaults(ap).parse_args(argv)
 
     with warnings.catch_warnings():
-        # megatron-core's "Transformer Engine / Apex not installed" at import: the converter
-        # runs megatron-core's local layers on CPU and never uses either.
+        # megatron-core's "Transformer Engine / Apex not installed" at import (the converter
+        # runs its local layers on CPU and never uses either) and the CUDA-graph scope
+        # deprecation every TransformerConfig raises about its own default (0.16.1).
         warnings.filterwarnings("ignore", message=_MISSING_BACKEND)
+        warnings.filterwarnings("ignore", message="full scope is deprecated",
+                                category=UserWarning)
         try:
             report = _run(args)
         except ImportError as e:
