@@ -272,3 +272,21 @@ def test_no_eta_from_a_compiling_first_iteration(monkeypatch):
     rec = dict(iteration=1, train_iters=11, loss=1.0, lr=1e-3, grad_norm=1.0, **first)
     assert "compiling" in summary.format_line(rec)
     assert speed.update(2)["eta_s"] == pytest.approx(9.0)
+
+
+def test_tp2_sp_run_prints_no_library_warnings(tmp_path):
+    """torchrun TP2+SP: none of torch.distributed's FutureWarnings (46 lines on a real run) or
+    megatron-core's other deprecations reach the console; before the first iteration there is
+    the start-up summary only (the argument table lists flags not at their default)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    p = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
+                        os.path.join(ROOT, "pretrain_gpt.py"),
+                        *[f for f in TINY if f != "--quiet"], "--train-iters", "2",
+                        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--save", str(tmp_path / "run")],
+                       capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Warning" not in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    head = p.stdout.split("iter      1/2")[0].splitlines()
+    table = [x for x in head if re.match(r"  \w+ \.+ ", x)]
+    assert len(head) - len(table) < 20, p.stdout
