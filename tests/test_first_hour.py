@@ -103,6 +103,21 @@ def test_mismatched_pretrained_checkpoint_is_one_line_and_leaves_nothing(ck, tmp
     assert not save.exists() and not run.exists()
 
 
+def test_refusal_while_loading_leaves_nothing(ck, tmp_path):
+    """A source that passes every check before the build (no manifest to verify) and fails
+    in the load itself: still one line, and the run dir created meanwhile is removed."""
+    src = tmp_path / "src"
+    shutil.copytree(ck / "iter_0000002", src)
+    (src / "scalevec_manifest.json").unlink()
+    victim = sorted(src.glob("__*.distcp"))[-1]
+    victim.write_bytes(victim.read_bytes()[:100])
+    run = tmp_path / "run"
+    p = _cli("pretrain_gpt.py", *TINY, "--train-iters", "2", "--pretrained-checkpoint", str(src),
+             "--save", str(run))
+    assert "loading the weights failed" in _one_line(p)
+    assert not run.exists()
+
+
 def test_truncated_pretrained_weights_are_one_line(llama_ws, tmp_path):
     base, _ = llama_ws
     ws = tmp_path / "ws"

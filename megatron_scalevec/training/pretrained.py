@@ -169,8 +169,10 @@ def _load_dist(path: str, models: list) -> None:
     except BaseException as e:  # noqa: BLE001 -- CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise PretrainedError(f"{path}: loading the weights failed: {type(e).__name__}: "
-                              f"{str(e)[:300]}") from None
+        from megatron_scalevec.training.faults import first_line  # noqa: PLC0415
+
+        raise PretrainedError(f"{path}: loading the weights failed (corrupt or incomplete): "
+                              f"{first_line(e)[:300]}") from None
     for i, m in enumerate(models):
         _load_local(m, loaded[str(i)], path)
 
