@@ -97,9 +97,11 @@ def llama_ws(tmp_path_factory):
 def test_mismatched_pretrained_checkpoint_is_one_line_and_leaves_nothing(ck, tmp_path, flags,
                                                                         message):
     save, run = tmp_path / "save", tmp_path / "run"
-    p = _cli("pretrain_gpt.py", *TINY, "--train-iters", "2", "--pretrained-checkpoint", str(ck),
+    loud = [f for f in TINY if f != "--quiet"]
+    p = _cli("pretrain_gpt.py", *loud, "--train-iters", "2", "--pretrained-checkpoint", str(ck),
              "--save", str(save), "--run-dir", str(run), *flags)
     assert re.search(message, _one_line(p))
+    assert p.stdout == ""  # refused before the build (which prints the decay groups)
     assert not save.exists() and not run.exists()
 
 
