@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from test_trainer import TINY  # noqa: E402
 
+# resuming with a longer --train-iters changes the LR schedule: say which applies
+OVR = "--override-opt_param-scheduler"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
@@ -98,7 +100,7 @@ def test_flipped_byte_is_refused_naming_the_file(ck, tmp_path):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
-    p = _cli(*TINY, "--train-iters", "4", "--load", str(ck), "--run-dir", str(tmp_path / "r"))
+    p = _cli(*TINY, "--train-iters", "4", OVR, "--load", str(ck), "--run-dir", str(tmp_path / "r"))
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert re.fullmatch(r"error: checkpoint verification failed: \S+__0_0\.distcp: checksum "
@@ -111,17 +113,17 @@ def test_truncated_and_deleted_files_give_one_line(ck, tmp_path):
     victim = sorted(it.glob("__*.distcp"))[-1]  # 0.16 writes two per rank, 0.19 one
     victim.write_bytes(victim.read_bytes()[:100])
     with pytest.raises(RankError, match=re.escape(victim.name) + r": 100 bytes, \d+ when written"):
-        _run("--train-iters", "4", "--load", str(ck), "--no-verify-checkpoint",
+        _run("--train-iters", "4", OVR, "--load", str(ck), "--no-verify-checkpoint",
              run_dir=tmp_path / "r1")
     (it / "scalevec_manifest.json").unlink()  # unverified: DCP's own error, as one line
     # 0.16 fails in the tensor load; 0.19 already reading the common state inside the files
     with pytest.raises(RankError, match=r"(loading failed \(corrupt, incomplete, or a "
                                         r"different model\)|not a readable dist_checkpointing "
                                         r"checkpoint \(corrupt or incomplete\)): rank 0: \w+"):
-        _run("--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r2")
+        _run("--train-iters", "4", OVR, "--load", str(ck), run_dir=tmp_path / "r2")
     (it / ".metadata").unlink()
     with pytest.raises(RankError, match=r"(loading failed|corrupt or incomplete).*rank 0"):
-        _run("--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r3")
+        _run("--train-iters", "4", OVR, "--load", str(ck), run_dir=tmp_path / "r3")
 
 
 class _RunsCode:
@@ -142,7 +144,7 @@ def test_crafted_metadata_cannot_run_code(ck, tmp_path):
     del man["files"][".metadata"]
     (it / "scalevec_manifest.json").write_text(json.dumps(man))
     with pytest.raises(RankError, match="refusing to load posix.system"):
-        _run("--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r")
+        _run("--train-iters", "4", OVR, "--load", str(ck), run_dir=tmp_path / "r")
     assert not marker.exists()
 
 
@@ -173,7 +175,7 @@ def test_other_model_is_refused_before_build(ck, tmp_path, monkeypatch):
                         "untie_embeddings_and_output_weights=False in the checkpoint"),
                        (["--scalevec", "hg+dnp+or"], "only IWD differs")):
         with pytest.raises(RankError, match=re.escape(msg)):
-            _run("--train-iters", "4", "--load", str(ck), *flags, run_dir=tmp_path / "r")
+            _run("--train-iters", "4", OVR, "--load", str(ck), *flags, run_dir=tmp_path / "r")
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
@@ -192,7 +194,7 @@ def test_newer_megatron_checkpoint_names_both_versions(ck, tmp_path):
     (it / "scalevec_manifest.json").write_text(json.dumps(man))
     with pytest.raises(RankError, match=r"written by megatron-core 0\.19\.2, which stores the "
                                         r"common state .* installed megatron-core 0\.16\.1"):
-        _run("--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r")
+        _run("--train-iters", "4", OVR, "--load", str(ck), run_dir=tmp_path / "r")
 
 
 def test_train_iters_one(tmp_path):

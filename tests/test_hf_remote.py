@@ -101,6 +101,16 @@ def _export_case(rank, world, tmp, strategy, dtype_name, tokenizer, extra, cli=F
         result["generated"] = tok.decode(gen[0, ids.shape[1]:])
         result["new_tokens"] = gen.shape[1] - ids.shape[1]
         result["prompt"] = tok.decode(ids[0])
+        # The README's ways without running our code (issue 30): the tokenizer is a plain one
+        import sentencepiece
+        from transformers import PreTrainedTokenizerFast
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+        text = "def main():\n    return {'a': 1}\n"
+        result["plain_ids_match"] = all(
+            list(t(text, add_special_tokens=False).input_ids) == sp.encode(text) for t in (
+                PreTrainedTokenizerFast.from_pretrained(out),
+                AutoTokenizer.from_pretrained(out, trust_remote_code=False)))
     return result
 
 
@@ -120,6 +130,7 @@ def test_unified_dense_exports_with_our_modeling_file(tmp_path, spm_model, dtype
     assert all(m == 0o644 for m in r["modes"].values()), r["modes"]
     assert r["dir_mode"] == 0o755
     assert r["prompt"] == "def main():\n" and r["new_tokens"] == 6
+    assert r["plain_ids_match"]
 
 
 def test_stock_strategy_still_exports_as_llama(tmp_path):

@@ -14,6 +14,8 @@ from megatron_scalevec.testing.distributed import RankError, run_on_ranks
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# resuming with a longer --train-iters changes the LR schedule: say which applies
+OVR = "--override-opt_param-scheduler"
 TINY = ["--mock-data", "--spec", "scalevec_dense", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -99,21 +101,21 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     ck = tmp_path / "ck"
     _run(1, "--train-iters", "2", "--save", str(ck), run_dir=tmp_path / "r")
     with pytest.raises(RankError, match="trained with scale-vector strategy 'hg\\+dnp\\+or\\+iwd'"):
-        _run(1, "--train-iters", "4", "--load", str(ck), "--scalevec", "hg+dp+er",
+        _run(1, "--train-iters", "4", OVR, "--load", str(ck), "--scalevec", "hg+dp+er",
              run_dir=tmp_path / "r2")
     # an interrupted later save leaves a temp dir behind: the last good one still loads
     shutil.copytree(ck / "iter_0000002", ck / ".tmp_iter_0000004")
     (ck / ".tmp_iter_0000004" / "metadata.json").write_text("{broken")
-    losses = _run(1, "--train-iters", "3", "--load", str(ck), run_dir=tmp_path / "r3")
+    losses = _run(1, "--train-iters", "3", OVR, "--load", str(ck), run_dir=tmp_path / "r3")
     assert len(losses) == 1
     # common.pt on megatron-core 0.16; from 0.19 the common state is inside the torch_dist files
     name = "common.pt" if (ck / "iter_0000002" / "common.pt").exists() else "metadata.json"
     (ck / "iter_0000002" / name).write_bytes(b"garbage")
     with pytest.raises(RankError, match=f"{name}: 7 bytes, [0-9]+ when written"):
-        _run(1, "--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r4")
+        _run(1, "--train-iters", "4", OVR, "--load", str(ck), run_dir=tmp_path / "r4")
     (ck / "iter_0000002" / "scalevec_manifest.json").unlink()  # an unverified checkpoint
     with pytest.raises(RankError, match="corrupt or incomplete"):
-        _run(1, "--train-iters", "4", "--load", str(ck), run_dir=tmp_path / "r4")
+        _run(1, "--train-iters", "4", OVR, "--load", str(ck), run_dir=tmp_path / "r4")
     (ck / "latest").write_text("7\n")
     with pytest.raises(RankError, match="points to iteration 7"):
         _run(1, "--train-iters", "8", "--load", str(ck), run_dir=tmp_path / "r5")

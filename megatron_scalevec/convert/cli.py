@@ -28,6 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
+
+from megatron_scalevec.cli_help import show_defaults
 
 
 def main(argv=None) -> int:
@@ -51,8 +54,32 @@ def main(argv=None) -> int:
                     help="check only the sizes in the source's checksum manifest, not the "
                          "SHA-256 of every file (very large checkpoints)")
     ap.add_argument("--overwrite", action="store_true")
-    args = ap.parse_args(argv)
+    args = show_defaults(ap).parse_args(argv)
 
+    with warnings.catch_warnings():
+        # megatron-core's "Transformer Engine / Apex not installed" at import (the converter
+        # runs its local layers on CPU and never uses either) and the CUDA-graph scope
+        # deprecation every TransformerConfig raises about its own default (0.16.1).
+        warnings.filterwarnings("ignore", message=_MISSING_BACKEND)
+        warnings.filterwarnings("ignore", message="full scope is deprecated",
+                                category=UserWarning)
+        try:
+            report = _run(args)
+        except ImportError as e:
+            print(f"convert_checkpoint: missing dependency: {e}", file=sys.stderr)
+            return 2
+        except (ValueError, FileExistsError, FileNotFoundError) as e:
+            print(f"convert_checkpoint: refused: {e}", file=sys.stderr)  # nothing was written
+            return 2
+    sys.stderr.flush()  # a progress bar's last state never shares the report's line
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+_MISSING_BACKEND = r".*(Transformer Engine|Apex).* not installed"
+
+
+def _run(args) -> dict:
     from megatron_scalevec.compat.cpu import enable_cpu_compat
 
     enable_cpu_compat()
@@ -63,14 +90,7 @@ def main(argv=None) -> int:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     arch = ModelArch.load(args.arch) if args.arch else None
-    try:
-        report = convert(args.load, args.save, args.to, arch=arch, fmt=args.format,
-                         allow_function_change=args.allow_function_change,
-                         overwrite=args.overwrite, dtype=dtype,
-                         tokenizer=args.tokenizer_model,
-                         verify=not args.no_verify_checkpoint)
-    except (ValueError, FileExistsError, FileNotFoundError, ImportError) as e:
-        print(f"convert_checkpoint: refused: {e}", file=sys.stderr)  # nothing was written
-        return 2
-    print(json.dumps(report, indent=2))
-    return 0
+    return convert(args.load, args.save, args.to, arch=arch, fmt=args.format,
+                   allow_function_change=args.allow_function_change,
+                   overwrite=args.overwrite, dtype=dtype, tokenizer=args.tokenizer_model,
+                   verify=not args.no_verify_checkpoint)

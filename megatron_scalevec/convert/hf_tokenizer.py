@@ -35,8 +35,14 @@ def write_tokenizer(spm_path: str, out_dir: str) -> dict:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``tokenizer.model``; returns
     the special-token ids. Raises ValueError when the result would tokenize differently."""
     import sentencepiece as spm
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from megatron_scalevec.convert.io import require
+
+    tk = require("tokenizers")  # not installed by '.[plot]': name the extra that brings it
+    AddedToken, Tokenizer = tk.AddedToken, tk.Tokenizer
+    decoders, models, normalizers = tk.decoders, tk.models, tk.normalizers
+    tf = require("transformers")
+    AutoTokenizer, PreTrainedTokenizerFast = tf.AutoTokenizer, tf.PreTrainedTokenizerFast
 
     sp = spm.SentencePieceProcessor()
     sp.Load(spm_path)

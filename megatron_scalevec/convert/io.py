@@ -57,14 +57,16 @@ def require(package: str, extra: str = "convert"):
         return importlib.import_module(package)
     except ImportError as e:
         raise ImportError(
-            f"this conversion needs the optional package {package!r}: "
+            f"this conversion needs the optional package {package!r} ({e}): "
             f"pip install 'megatron_scalevec[{extra}]' (or pip install {package})") from e
 
 
 def progress(items: Iterable, total: Optional[int] = None, desc: str = "tensors",
              enabled: bool = True):
-    """A progress bar over tensors (tqdm when installed, else a line every 10%)."""
-    if not enabled:
+    """A progress bar over tensors on a terminal (tqdm when installed, else a line every 10%);
+    nothing when stderr is a file or pipe, where a bar's carriage returns would leave its
+    last state on the line of whatever is printed next (the CLI's JSON report)."""
+    if not enabled or not sys.stderr.isatty():
         yield from items
         return
     try:
@@ -150,7 +152,7 @@ def save_safetensors(sd: StateDict, path: str, metadata: Optional[dict] = None,
 
 def load_safetensors(path: str) -> StateDict:
     """Tensors from one ``.safetensors`` file or a directory of them (HF shards)."""
-    st = require("safetensors")
+    require("safetensors")
     files = [path]
     if os.path.isdir(path):
         files = sorted(os.path.join(path, f) for f in os.listdir(path)
@@ -159,12 +161,23 @@ def load_safetensors(path: str) -> StateDict:
             raise FileNotFoundError(f"no .safetensors file in {path}")
     sd: StateDict = {}
     for file in files:
-        with st.safe_open(file, framework="pt") as f:
+        with safe_open_checked(file) as f:
             for k in f.keys():
                 if k in sd:
                     raise ValueError(f"tensor {k!r} appears in two shards")
                 sd[k] = f.get_tensor(k)
     return sd
+
+
+def safe_open_checked(file: str):
+    """``safetensors.safe_open`` whose failure (a truncated or corrupt file) is one
+    ValueError naming the file instead of safetensors' own error."""
+    st = require("safetensors")
+    try:
+        return st.safe_open(file, framework="pt")
+    except st.SafetensorError as e:
+        raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
 def save_full(sd: StateDict, arch: ModelArch, out_dir: str, overwrite: bool = False,

@@ -11,7 +11,13 @@ import argparse
 import importlib.util
 import os
 
+from megatron_scalevec.cli_help import show_defaults
+
 SPECS = ("scalevec_moe", "scalevec_dense", "baseline")
+# Architecture flags a warm start or resume takes from the checkpoint when not given.
+ARCH_DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000.0, "moe_router_pre_softmax": False}
+_ARCH_FIELDS = {"norm_epsilon": "layernorm_epsilon", "rotary_base": "rotary_base",
+                "moe_router_pre_softmax": "moe_router_pre_softmax"}
 DECAY_STYLES = ("cosine", "linear", "constant", "WSD")
 
 
@@ -50,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--normalization", default="RMSNorm", choices=("RMSNorm", "LayerNorm"))
     g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--norm-epsilon", type=float, default=None,
+                   help="epsilon of every RMSNorm/LayerNorm (default: the warm-start or resumed "
+                        f"checkpoint's, else {ARCH_DEFAULTS['norm_epsilon']})")
+    g.add_argument("--rotary-base", type=float, default=None,
+                   help="RoPE base theta (default: the warm-start or resumed checkpoint's, else "
+                        f"{ARCH_DEFAULTS['rotary_base']:g})")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--vocab-size", type=int, default=None,
@@ -61,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-token-dispatcher-type", default="alltoall",
                    choices=("allgather", "alltoall"))
     g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2)
+    g.add_argument("--moe-router-pre-softmax", default=None, action="store_true",
+                   help="softmax over all experts before top-k, no renormalization (Qwen3-MoE's "
+                        "norm_topk_prob=False; default: the warm-start or resumed checkpoint's, "
+                        "else off)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="grouped-GEMM experts (torch grouped_mm, or TE's GroupedLinear under "
                         "--transformer-impl transformer_engine) instead of sequential ones")
@@ -146,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, the LR/WD schedule of this run's flags replaces the "
+                        "checkpoint's (Megatron-LM's meaning)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's LR/WD schedule and ignore this run's "
+                        "schedule flags (Megatron-LM's meaning); with neither flag a resume that "
+                        "changes the schedule is refused")
     g.add_argument("--pretrained-checkpoint", default=None,
                    help="start from these weights (converter output or a trainer checkpoint) "
                         "when --load holds no checkpoint; iteration and optimizer start fresh")
@@ -157,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true",
                    help="reuse a run dir / --save dir that holds another run")
     g.add_argument("--quiet", action="store_true", help="log to the JSONL file only")
-    return p
+    return show_defaults(p)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -283,6 +306,10 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
               f"--pretrained-checkpoint {a.pretrained_checkpoint!r}: no such directory")
     _need(not a.finetune or a.load is not None, "--finetune loads the weights of --load: "
                                                 "pass --load (or use --pretrained-checkpoint)")
+    _need(not (a.override_opt_param_scheduler and a.use_checkpoint_opt_param_scheduler),
+          "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
+          "each other")
+    _arch_from_checkpoint(a)
     if a.save_interval is not None:
         _need(a.save is not None, "--save-interval needs --save")
     if a.save is not None:
@@ -307,6 +334,46 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     a.run_dir = a.run_dir or a.save or os.path.join("runs", default_run_name(a))
     _refuse_other_run(a)
     return a
+
+
+def source_arch_file(a):
+    """The ``scalevec_arch.json`` of the checkpoint this run starts from: the latest of
+    ``--load`` (resume, --finetune), else ``--pretrained-checkpoint``; None if there is none."""
+    from megatron_scalevec.convert.arch import ARCH_FILE  # noqa: PLC0415
+
+    for root in (a.load, a.pretrained_checkpoint):
+        if root is None or not os.path.isdir(root):
+            continue
+        pointer = os.path.join(root, "latest")
+        path = root
+        if os.path.isfile(pointer):
+            text = open(pointer).read().strip()
+            path = os.path.join(root, f"iter_{int(text):07d}") if text.isdigit() else root
+        if os.path.isfile(os.path.join(path, ARCH_FILE)):
+            return os.path.join(path, ARCH_FILE)
+        if root == a.load and os.path.isfile(pointer):
+            return None  # resuming a checkpoint without one: the flags' defaults
+    return None
+
+
+def _arch_from_checkpoint(a) -> None:
+    """Architecture flags not given (``--norm-epsilon``, ``--rotary-base``,
+    ``--moe-router-pre-softmax``) come from the checkpoint this run starts from, so a converted
+    Hugging Face model (e.g. Llama's rms_norm_eps 1e-6) trains without restating them."""
+    import json  # noqa: PLC0415
+
+    found = source_arch_file(a)
+    saved = {}
+    if found is not None:
+        try:
+            with open(found) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ArgumentError(f"{found}: unreadable ({e})") from None
+    for flag, field in _ARCH_FIELDS.items():
+        if getattr(a, flag) is None:
+            value = saved.get(field, ARCH_DEFAULTS[flag])
+            setattr(a, flag, type(ARCH_DEFAULTS[flag])(value))
 
 
 def default_run_name(a) -> str:

@@ -17,6 +17,7 @@ def transformer_config(args, vocab_size):
                    moe_token_dispatcher_type=args.moe_token_dispatcher_type,
                    moe_aux_loss_coeff=args.moe_aux_loss_coeff,
                    moe_router_load_balancing_type="aux_loss",
+                   moe_router_pre_softmax=args.moe_router_pre_softmax,
                    moe_grouped_gemm=args.moe_grouped_gemm)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
@@ -33,7 +34,8 @@ def transformer_config(args, vocab_size):
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         sequence_parallel=args.sequence_parallel, normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm, init_method_std=args.init_method_std,
+        qk_layernorm=args.qk_layernorm, layernorm_epsilon=args.norm_epsilon,
+        init_method_std=args.init_method_std,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16, params_dtype=dtype,
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
@@ -87,7 +89,8 @@ def build_model(args, config, vocab_size):
                                                                 vp_stage=vp_stage),
                          share_embeddings_and_output_weights=not
                          args.untie_embeddings_and_output_weights,
-                         position_embedding_type="rope", vp_stage=vp_stage)
+                         position_embedding_type="rope", rotary_base=int(args.rotary_base),
+                         vp_stage=vp_stage)
         if torch.cuda.is_available():
             m.cuda(torch.cuda.current_device())
         if args.bf16:
@@ -102,15 +105,30 @@ def build_model(args, config, vocab_size):
                                     disable_bucketing=(i > 0)) for i, m in enumerate(chunks)]
 
 
-def scheduler(args, optimizer):
+def scheduler_values(args) -> dict:
+    """This run's schedule as megatron-core's ``OptimizerParamScheduler.state_dict()`` names
+    it (without ``num_steps``), to compare with a checkpoint's before anything is built."""
+    return dict(max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+                lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+                start_wd=args.weight_decay, end_wd=args.weight_decay,
+                wd_incr_style="constant", wd_incr_steps=args.train_iters)
+
+
+def scheduler(args, optimizer, use_checkpoint: bool = True):
+    """megatron-core's scheduler; on a resume ``use_checkpoint`` keeps the checkpoint's values
+    (Megatron-LM's --use-checkpoint-opt_param-scheduler) and --override-opt_param-scheduler
+    replaces them with this run's (the trainer has checked which applies before the build)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: PLC0415
 
+    override = bool(args.override_opt_param_scheduler)
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters, wd_incr_style="constant",
-        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style)
+        wsd_decay_steps=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
+        use_checkpoint_opt_param_scheduler=use_checkpoint and not override,
+        override_opt_param_scheduler=override)
 
 
 def datasets(args):

@@ -183,8 +183,9 @@ def strategy_difference(saved: str, wanted: str) -> str:
 def inspect_checkpoint(root, strategy, meta, verify=True):
     """Everything about ``root``'s latest checkpoint that can be checked before the model is
     built: the pointer, the manifest (files, sizes, checksums), the writer's megatron-core,
-    the strategy and the model sizes. Returns (path, manifest), or None when ``root`` holds no
-    checkpoint yet. Raises CheckpointError with one line naming the file or the mismatch."""
+    the strategy and the model sizes. Returns (path, manifest, common state: iteration,
+    schedule), or None when ``root`` holds no checkpoint yet. Raises CheckpointError with one
+    line naming the file or the mismatch."""
     iteration = read_latest(root)
     if iteration is None:
         return None
@@ -214,13 +215,45 @@ def inspect_checkpoint(root, strategy, meta, verify=True):
             flag = "--" + key.replace("_", "-")
             raise CheckpointError(f"{path}: model {key}={saved_meta[key]!r} in the "
                                   f"checkpoint, {value!r} in this run (check {flag})")
-    return path, manifest
+    return path, manifest, common
+
+
+# megatron-core's OptimizerParamScheduler.state_dict() keys -> the flag that sets each
+_SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                   "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+                   "start_wd": "--weight-decay", "wd_incr_steps": "--train-iters"}
+
+
+def schedule_on_resume(path: str, saved, wanted: dict, override: bool, use_checkpoint: bool):
+    """Megatron-LM's rule for the LR/WD schedule of a resumed run: with neither
+    ``--override-opt_param-scheduler`` nor ``--use-checkpoint-opt_param-scheduler`` a schedule
+    that differs from the checkpoint's is refused (Megatron-LM asserts); the first takes this
+    run's flags, the second the checkpoint's. Checked before the model is built. Returns
+    ``(use the checkpoint's values, line to log or None)``; raises CheckpointError."""
+    if not saved:
+        return True, None
+    diffs = [f"{flag} {saved[key]} -> {wanted[key]}" for key, flag in _SCHEDULE_FLAGS.items()
+             if key in saved and saved[key] != wanted[key]
+             and not (key == "wd_incr_steps" and wanted["wd_incr_style"] == "constant")]
+    if not diffs:
+        return True, None
+    if override:
+        return False, (f"LR schedule: this run's flags (--override-opt_param-scheduler), not "
+                       f"the checkpoint's: {', '.join(diffs)}")
+    if use_checkpoint:
+        return True, (f"LR schedule: the checkpoint's (--use-checkpoint-opt_param-scheduler); "
+                      f"ignored: {', '.join(diffs)}")
+    raise CheckpointError(
+        f"{path}: this run changes the checkpoint's LR schedule ({', '.join(diffs)}; "
+        f"--lr-decay-iters and --lr-warmup-iters follow --train-iters unless given): pass "
+        f"--override-opt_param-scheduler to use this run's schedule or "
+        f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
 
 
 def load_checkpoint(found, model, optimizer, scheduler, strategy, meta, load_optim=True):
     """Load the checkpoint ``inspect_checkpoint`` found into model/optimizer/scheduler and the
     RNGs (nothing in it can run code). Returns (iteration, consumed_samples)."""
-    path, manifest = found
+    path, manifest = found[:2]
     with ckpt_guard.no_code_on_load():
         common = dist_checkpointing.load_common_state_dict(path)
     iteration = common["iteration"]

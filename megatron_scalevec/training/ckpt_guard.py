@@ -131,8 +131,10 @@ def verify_checkpoint(ckpt_dir: str, hashes: bool = True):
     errors = sorted(e for part in _gather(errors) for e in part)
     if errors:
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise CheckpointError(f"checkpoint verification failed: {errors[0]}{more}; "
-                              f"--no-verify-checkpoint skips this check")
+        hint = ("--no-verify-checkpoint skips this check" if "checksum mismatch" in errors[0]
+                else "sizes are checked even with --no-verify-checkpoint: restore the file or "
+                     "start from an earlier checkpoint")
+        raise CheckpointError(f"checkpoint verification failed: {errors[0]}{more}; {hint}")
     return manifest
 
 

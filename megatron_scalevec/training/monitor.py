@@ -89,9 +89,14 @@ class MetricsLog:
         self.quiet = quiet
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.tb = None
+        self.created = []  # what this run made, removed by discard()
         if not self.enabled:
             return
-        os.makedirs(run_dir, exist_ok=True)
+        if not os.path.isdir(run_dir):
+            os.makedirs(run_dir)
+            self.created.append(run_dir)
+        if not os.path.exists(self.path):
+            self.created.append(self.path)
         self.file = open(self.path, "a" if append else "w")
         if tensorboard_dir:
             try:
@@ -108,6 +113,9 @@ class MetricsLog:
             return
         cfg = {k: v for k, v in sorted(vars(args).items())
                if isinstance(v, (str, int, float, bool, type(None), list))}
+        config = os.path.join(os.path.dirname(self.path), "config.json")
+        if not os.path.exists(config):
+            self.created.append(config)
         tmp = os.path.join(os.path.dirname(self.path), ".config.json.tmp")
         with open(tmp, "w") as f:
             json.dump(cfg, f, indent=1)
@@ -130,6 +138,18 @@ class MetricsLog:
             for k, v in record.items():
                 if k != "iteration" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
+
+    def discard(self) -> None:
+        """Close and remove what this log created (a run refused before its first step leaves
+        no files behind); files of a resumed run are kept."""
+        self.close()
+        for path in reversed(self.created):
+            if os.path.isdir(path):
+                if not os.listdir(path):
+                    os.rmdir(path)
+            elif os.path.exists(path):
+                os.remove(path)
+        self.created = []
 
     def close(self) -> None:
         if self.enabled:

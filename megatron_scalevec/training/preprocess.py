@@ -24,6 +24,7 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_scalevec.cli_help import show_defaults
 from megatron_scalevec.training.corpus import DataPathError, SentencePieceTokenizer
 
 __all__ = ["main", "preprocess", "read_documents"]
@@ -270,7 +271,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1000,
                    help="documents between status lines (without tqdm)")
     g.add_argument("--no-progress", action="store_true")
-    return p
+    return show_defaults(p)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

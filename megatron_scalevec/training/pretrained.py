@@ -31,13 +31,15 @@ def run_arch(args, vocab_size: int) -> ModelArch:
     if args.num_experts:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                    moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_layer_freq=args.moe_layer_freq, expert_vectors=args.expert_vectors)
+                   moe_layer_freq=args.moe_layer_freq, expert_vectors=args.expert_vectors,
+                   moe_router_pre_softmax=args.moe_router_pre_softmax)
     return ModelArch(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
         normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+        layernorm_epsilon=args.norm_epsilon, rotary_base=float(args.rotary_base),
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         scalevec=STOCK if args.spec == "baseline" else args.scalevec_config.to_string(), **moe)
 
@@ -56,6 +58,8 @@ def checkpoint_files(trainer) -> dict:
 
 class PretrainedError(ValueError):
     """Weights that cannot start this run (missing, another model, another strategy)."""
+
+    collective = True  # every rank checks the same files and raises the same line
 
 
 def _canonical(strategy: str) -> str:
@@ -132,12 +136,19 @@ def _load_full(path: str, models: list) -> None:
     every sharded tensor of the model (after megatron-core's factories, e.g. the [gate; up]
     split of fc1) is cut from the whole tensor at its global offset."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory  # noqa: PLC0415
-    from safetensors import safe_open  # noqa: PLC0415
 
-    from megatron_scalevec.convert.io import WEIGHTS_FILE, model_sharded_state_dict  # noqa
+    from megatron_scalevec.convert.io import (  # noqa: PLC0415
+        WEIGHTS_FILE,
+        model_sharded_state_dict,
+        safe_open_checked,
+    )
 
     used: set = set()
-    with safe_open(os.path.join(path, WEIGHTS_FILE), framework="pt") as reader:
+    try:
+        reader = safe_open_checked(os.path.join(path, WEIGHTS_FILE))
+    except ValueError as e:
+        raise PretrainedError(str(e)) from None
+    with reader:
         names = set(reader.keys())
         for m in models:
             local = {}
@@ -158,8 +169,10 @@ def _load_dist(path: str, models: list) -> None:
     except BaseException as e:  # noqa: BLE001 -- CheckpointException is a BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise PretrainedError(f"{path}: loading the weights failed: {type(e).__name__}: "
-                              f"{str(e)[:300]}") from None
+        from megatron_scalevec.training.faults import first_line  # noqa: PLC0415
+
+        raise PretrainedError(f"{path}: loading the weights failed (corrupt or incomplete): "
+                              f"{first_line(e)[:300]}") from None
     for i, m in enumerate(models):
         _load_local(m, loaded[str(i)], path)
 
@@ -172,22 +185,43 @@ def _load_local(model, local: dict, path: str) -> None:
     model.load_state_dict(local, strict=False)
 
 
-def load_weights(path: str, model_chunks: list, ours: ModelArch) -> str:
-    """Load weights only from ``path`` into the (DDP-wrapped) chunks; returns the folder
-    read. Works at any TP/PP/EP layout."""
+def check_weights_source(path: str, ours: ModelArch) -> str:
+    """Everything about ``path`` that can refuse it before the model is built (the folder,
+    the arch and strategy, the checksum manifest); returns the folder to read."""
     from megatron_scalevec.convert.io import (  # noqa: PLC0415
-        is_dist_checkpoint,
+        WEIGHTS_FILE,
         is_full_checkpoint,
         resolve_checkpoint,
+        safe_open_checked,
         verify_checkpoint_files,
     )
 
     try:
         src = resolve_checkpoint(path)
-    except (ValueError, FileNotFoundError) as e:
+        check_arch(src, ours)
+        verify_checkpoint_files(src)
+        if is_full_checkpoint(src):  # its header (a truncated file fails here)
+            with safe_open_checked(os.path.join(src, WEIGHTS_FILE)):
+                pass
+    except (ValueError, FileNotFoundError) as e:  # PretrainedError is a ValueError
         raise PretrainedError(str(e)) from None
-    check_arch(src, ours)
-    verify_checkpoint_files(src)
+    return src
+
+
+def check_source(args, vocab_size: int) -> Optional[str]:
+    """The checked folder of ``--pretrained-checkpoint`` / ``--finetune``, else None."""
+    path = args.load if args.finetune else args.pretrained_checkpoint
+    if path is None:
+        return None
+    return check_weights_source(path, run_arch(args, vocab_size))
+
+
+def load_weights(path: str, model_chunks: list, ours: ModelArch, checked: bool = False) -> str:
+    """Load weights only from ``path`` into the (DDP-wrapped) chunks; returns the folder
+    read. Works at any TP/PP/EP layout. ``checked``: :func:`check_weights_source` ran."""
+    from megatron_scalevec.convert.io import is_dist_checkpoint, is_full_checkpoint  # noqa
+
+    src = path if checked else check_weights_source(path, ours)
     models = [_unwrap(m) for m in model_chunks]
     with torch.no_grad():
         if is_full_checkpoint(src):
@@ -200,13 +234,15 @@ def load_weights(path: str, model_chunks: list, ours: ModelArch) -> str:
     return src
 
 
-def start_from_weights(args, model_chunks, optimizer, vocab_size: int) -> Optional[str]:
+def start_from_weights(args, model_chunks, optimizer, vocab_size: int,
+                       checked: Optional[str] = None) -> Optional[str]:
     """``--finetune`` / ``--pretrained-checkpoint``: weights only, fresh optimizer state.
-    Returns the line to log, or None when neither applies."""
-    path = args.load if args.finetune else args.pretrained_checkpoint
+    Returns the line to log, or None when neither applies. ``checked``: the folder
+    :func:`check_source` returned (not checked again)."""
+    path = checked or (args.load if args.finetune else args.pretrained_checkpoint)
     if path is None:
         return None
-    src = load_weights(path, model_chunks, run_arch(args, vocab_size))
+    src = load_weights(path, model_chunks, run_arch(args, vocab_size), checked=bool(checked))
     optimizer.reload_model_params()  # main (fp32) copies follow the loaded weights
     return f"weights from {src} ({'--finetune' if args.finetune else '--pretrained-checkpoint'})" \
            f": iteration 0, optimizer and scheduler fresh"

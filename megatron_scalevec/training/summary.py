@@ -4,6 +4,7 @@ Megatron-LM prints them; megatron-core's repeated "not installed" warnings folde
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 import warnings
@@ -27,6 +28,33 @@ def folded_backend_warnings(found: list):
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
+# Deprecations raised inside torch.distributed / megatron-core on every rank, none of them
+# actionable by a user of this trainer (checked with torch 2.13.0, megatron-core 0.16.1 and
+# 0.19.2): megatron-core calls the collectives torch renamed (c10d's deprecation wrapper),
+# DCP's ``load_state_dict`` and torch's ShardedTensor; TransformerConfig warns about a CUDA
+# graph scope it sets itself.
+_LIBRARY_DEPRECATIONS = (
+    (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),
+    (FutureWarning, r"`(load|save)_state_dict` is deprecated"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+    (UserWarning, r"full scope is deprecated"),
+)
+
+
+@contextlib.contextmanager
+def library_deprecations_silenced():
+    """While the trainer runs: the library deprecations above are not shown (46 lines of
+    them on a TP2+SP run), nor, without CUDA, megatron-core's CUDA_DEVICE_MAX_CONNECTIONS
+    advice; every other warning is."""
+    with warnings.catch_warnings():
+        for category, message in _LIBRARY_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        if not torch.cuda.is_available():  # advice for CUDA streams, on every SP layer
+            warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS",
+                                    category=UserWarning)
+        yield
+
+
 def backend_note(found: list):
     if not found:
         return None
@@ -36,11 +64,18 @@ def backend_note(found: list):
 
 
 def arguments_block(args) -> str:
+    """The arguments that are not at their flag's default (given, or derived from others);
+    every argument is in the run dir's config.json."""
+    from megatron_scalevec.training.arguments import build_parser  # noqa: PLC0415
+
+    defaults = vars(build_parser().parse_args([]))
     skip = {"scalevec_config"}
-    rows = [f"  {k} {'.' * max(1, 40 - len(k))} {v}" for k, v in sorted(vars(args).items())
-            if k not in skip]
+    items = [(k, v) for k, v in sorted(vars(args).items()) if k not in skip]
+    rows = [f"  {k} {'.' * max(1, 40 - len(k))} {v}" for k, v in items
+            if k not in defaults or defaults[k] != v]
     return "\n".join(["------------------------ arguments ------------------------", *rows,
-                      "-------------------- end of arguments ---------------------"])
+                      f"---- end of arguments ({len(items) - len(rows)} more at their "
+                      f"defaults; all in {os.path.join(args.run_dir, 'config.json')}) ----"])
 
 
 def layout_line(args) -> str:
@@ -90,7 +125,7 @@ def parameter_line(total: int, vectors: int) -> str:
 class Throughput:
     """Elapsed time, ms/iteration, tokens/s and an ETA from an exponential moving average of
     the time per iteration; the first interval (start-up, first compilation) is not in the
-    average unless it is all there is."""
+    average, and a first interval of one iteration gives no ETA at all."""
 
     def __init__(self, tokens_per_iter: int, total_iters: int, start_iter: int,
                  alpha: float = 0.3):
@@ -111,7 +146,10 @@ class Throughput:
             self.avg = self.alpha * per_iter + (1 - self.alpha) * self.avg
         out = {"tokens_per_s": self.tokens_per_iter / max(per_iter, 1e-9),
                "s_per_iter": per_iter, "ms_per_iter": 1000 * per_iter,
-               "elapsed_s": now - self.start, "eta_s": self.avg * (self.total - iteration)}
+               "elapsed_s": now - self.start}
+        if self.intervals > 1 or di > 1 or iteration >= self.total:
+            out["eta_s"] = self.avg * (self.total - iteration)
+        # else: a first iteration alone (start-up, compilation) would give an ETA ~20x off
         if torch.cuda.is_available():
             out["mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return out
@@ -136,5 +174,6 @@ def format_line(rec: dict) -> str:
               f"{rec['tokens_per_s']:.0f} tok/s"]
     if "mem_gb" in rec:
         parts.append(f"mem {rec['mem_gb']:.1f} GB")
-    parts.append(f"eta {_fmt_s(rec['eta_s'])}")
+    parts.append(f"eta {_fmt_s(rec['eta_s'])}" if "eta_s" in rec else
+                 "eta after the first iteration (start-up, compiling)")
     return " | ".join(parts)

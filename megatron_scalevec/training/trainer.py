@@ -86,16 +86,17 @@ def _mean_loss(losses, device) -> float:
     return float(buf[0] / buf[1])
 
 
+class NothingToTrain(Exception):
+    """The checkpoint to resume is already at --train-iters: say so, write nothing, exit 0."""
+
+
 class Trainer:
     """Holds model, optimizer, scheduler and data position; ``train()`` runs the loop."""
 
     def __init__(self, args):
         from megatron.core import parallel_state as ps  # noqa: PLC0415
-        from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
-        from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa
 
-        from megatron_scalevec.optim import build_optimizer  # noqa: PLC0415
         from megatron_scalevec.training import checkpointing  # noqa: PLC0415
         from megatron_scalevec.training.monitor import MetricsLog  # noqa: PLC0415
 
@@ -122,14 +123,57 @@ class Trainer:
                          moe_ffn_hidden_size=a.moe_ffn_hidden_size if a.num_experts else None,
                          untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
                          normalization=a.normalization, qk_layernorm=a.qk_layernorm,
-                         expert_vectors=a.expert_vectors if a.num_experts else None)
+                         expert_vectors=a.expert_vectors if a.num_experts else None,
+                         norm_epsilon=a.norm_epsilon, rotary_base=a.rotary_base,
+                         moe_router_pre_softmax=bool(a.moe_router_pre_softmax))
+        # Everything that can refuse this run is checked before anything is written.
+        found, use_ckpt_schedule, schedule_line = self._check_start(checkpointing)
+        self.log = MetricsLog(a.run_dir, a.tensorboard_dir, a.quiet,
+                              append=found is not None)
+        try:
+            self._build(a, found, use_ckpt_schedule, schedule_line)
+        except BaseException:
+            self.log.discard()  # a refusal (or any failure) before training leaves nothing
+            raise
+
+    def _check_start(self, checkpointing):
+        """The checkpoint to resume and the schedule rule (checkpointing.py), or the weights to
+        start from (pretrained.py): refused in one line before anything is created."""
+        from megatron_scalevec.training.build import scheduler_values  # noqa: PLC0415
+
+        a = self.args
         found = None
         if a.load and not a.finetune and os.path.isdir(a.load):  # before the build: cheap
             found = checkpointing.inspect_checkpoint(
                 a.load, a.scalevec_config.to_string(), self.meta,
                 verify=not a.no_verify_checkpoint)
-        self.log = MetricsLog(a.run_dir, a.tensorboard_dir, a.quiet,
-                              append=found is not None)
+        if found is None:
+            from megatron_scalevec.training.pretrained import check_source  # noqa: PLC0415
+
+            self.pretrained_src = check_source(a, self.vocab_size)
+            return None, True, None
+        iteration = found[2].get("iteration", 0)
+        end = min(a.train_iters, a.exit_interval or a.train_iters)
+        if iteration >= end:
+            stop = f", --exit-interval {a.exit_interval}" if a.exit_interval else ""
+            raise NothingToTrain(f"nothing to train: {found[0]} is at iteration {iteration}, "
+                                 f"--train-iters {a.train_iters}{stop} (pass a larger "
+                                 f"--train-iters to continue)")
+        if a.no_load_optim:
+            return found, True, None
+        use, line = checkpointing.schedule_on_resume(
+            found[0], found[2].get("opt_param_scheduler"), scheduler_values(a),
+            a.override_opt_param_scheduler, a.use_checkpoint_opt_param_scheduler)
+        return found, use, line
+
+    def _build(self, a, found, use_ckpt_schedule, schedule_line):
+        from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
+        from megatron.core.optimizer import OptimizerConfig  # noqa: PLC0415
+
+        from megatron_scalevec.optim import build_optimizer  # noqa: PLC0415
+        from megatron_scalevec.training import checkpointing  # noqa: PLC0415
+
+        vocab = self.vocab_size
         self.log.write_config(a)
         self.config = transformer_config(a, vocab)
         self.model = build_model(a, self.config, vocab)
@@ -141,7 +185,7 @@ class Trainer:
             use_distributed_optimizer=a.use_distributed_optimizer)
         self.optimizer = build_optimizer(opt_cfg, self.model, a.scalevec_config,
                                          use_muon=a.optimizer == "muon", log=self.log.print)
-        self.scheduler = scheduler(a, self.optimizer)
+        self.scheduler = scheduler(a, self.optimizer, use_checkpoint=use_ckpt_schedule)
         cfg = self.config
         cfg.finalize_model_grads_func = finalize_model_grads
         cfg.grad_scale_func = self.optimizer.scale_loss
@@ -160,10 +204,13 @@ class Trainer:
                         "sizes verified" if a.no_verify_checkpoint else "checksums verified")
             self.log.print(f"resumed from {found[0]} at iteration {self.iteration} "
                            f"({self.consumed} samples consumed; {verified})")
+            if schedule_line:
+                self.log.print(schedule_line)
         if found is None:  # --pretrained-checkpoint / --finetune: training/pretrained.py
             from megatron_scalevec.training.pretrained import start_from_weights  # noqa
 
-            line = start_from_weights(a, self.model, self.optimizer, vocab)
+            line = start_from_weights(a, self.model, self.optimizer, vocab,
+                                      self.pretrained_src)
             if line:
                 self.log.print(line)
 
@@ -330,7 +377,13 @@ def _plot(args, log):
 
 def main(argv=None) -> list:
     """Entry point (console script ``megatron-scalevec-pretrain``). Returns the losses."""
+    with summary.library_deprecations_silenced():
+        return _main(argv)
+
+
+def _main(argv) -> list:
     from megatron_scalevec.training.ckpt_guard import CheckpointError  # noqa: PLC0415
+    from megatron_scalevec.training.pretrained import PretrainedError  # noqa: PLC0415
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, world_size=_world_size_hint())  # raises before any output
@@ -349,15 +402,20 @@ def main(argv=None) -> list:
         fused.set_compile(args.fused_compile)
     trainer = None
     try:
-        with summary.folded_backend_warnings(folded):
-            trainer = Trainer(args)
+        try:
+            with summary.folded_backend_warnings(folded):
+                trainer = Trainer(args)
+        except NothingToTrain as e:
+            if dist.get_rank() == 0:
+                print(e, flush=True)
+            return []
         trainer.print_summary(folded)
         losses = trainer.train()
         if dist.get_rank() == 0 and not args.no_plot:
             _plot(args, trainer.log)
         trainer.log.print(f"done in {time.time() - started:.1f} s")
         return losses
-    except (faults.DivergenceError, ArgumentError, CheckpointError):
+    except (faults.DivergenceError, ArgumentError, CheckpointError, PretrainedError):
         raise
     except RuntimeError as e:
         if faults.is_lost_rank(e):
@@ -381,10 +439,11 @@ def cli() -> None:
     checkpoint, bad data) or 3 (divergence, a lost rank); nothing else is caught."""
     from megatron_scalevec.training.ckpt_guard import CheckpointError  # noqa: PLC0415
     from megatron_scalevec.training.corpus import DataPathError  # noqa: PLC0415
+    from megatron_scalevec.training.pretrained import PretrainedError  # noqa: PLC0415
 
     try:
         main()
-    except (ArgumentError, CheckpointError, DataPathError) as e:
+    except (ArgumentError, CheckpointError, DataPathError, PretrainedError) as e:
         _fail(e, 2)
     except (faults.DivergenceError, faults.LostRankError) as e:
         _fail(e, 3)
