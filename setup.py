@@ -3,6 +3,9 @@
 from setuptools import find_packages, setup
 
 MUON = "emerging-optimizers==0.3.0; python_version >= '3.12'"
+# Megatron-Bridge, installed with `pip install --no-deps` (its own requirements pull GPU-only
+# packages): 0.3.1 supports megatron-core < 0.17, so Python 3.11 only (.ci/run's leg 1).
+BRIDGE = "megatron-bridge==0.3.1"
 
 setup(
     name="megatron_scalevec",
@@ -36,6 +39,10 @@ setup(
         # Optional accelerators: Transformer Engine (FP8, fused kernels). NVIDIA apex is built
         # from source; the PyPI package named "apex" is unrelated, so it is never listed.
         "te": ["transformer-engine[pytorch]"],
+        # The pure-Python packages Bridge needs to build models and convert checkpoints;
+        # Bridge itself: `pip install --no-deps megatron-bridge==0.3.1` (BRIDGE above).
+        "bridge": ["omegaconf==2.4.0", "rich==15.0.0", "einops==0.8.2", "pyyaml>=6",
+                   "regex", "tqdm", "transformers==5.24.0", "safetensors==0.8.0"],
     },
     entry_points={"console_scripts": [
         "megatron-scalevec-pretrain = megatron_scalevec.training.trainer:cli",

@@ -1,0 +1,162 @@
+"""Import Megatron-Bridge on a machine without Transformer Engine (tests only).
+
+Bridge imports ``transformer_engine`` unguarded at the top of a few modules (LoRA layers, a
+TE-only layer spec) that ``import megatron.bridge`` reaches through ``AutoBridge``, and its
+Mamba provider reaches a megatron-core module that imports ``triton`` unguarded. A global
+fake ``transformer_engine`` in ``sys.modules`` would break megatron-core, which then believes
+TE is installed (``HAVE_TE``) and reads its package metadata. So :func:`import_bridge` answers
+those imports with inert stand-ins *only for the importing modules listed per Bridge version*
+(:data:`TE_IMPORTERS`), through ``builtins.__import__`` while Bridge is being imported, and
+puts nothing in ``sys.modules``: megatron-core and every other module still see no TE and no
+triton. The
+stand-ins' classes can be named and subclassed (Bridge defines ``TELinearAdapter(te.Linear)``)
+but raise when instantiated or called, so a TE code path used by mistake fails loudly.
+
+The list is version-specific (read from Bridge's source); a Bridge version not listed is
+refused, naming the versions that are.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib
+import importlib.metadata
+import sys
+import types
+
+__all__ = ["TE_IMPORTERS", "bridge_version", "import_bridge", "te_stand_ins"]
+
+# Bridge version -> {module importing a GPU-only package at top level unguarded: that package}.
+# megatron-core's Mamba inference kernels import triton unguarded; Bridge reaches them through
+# its Mamba provider (megatron-core 0.16.1's ssm/mamba_mixer.py -> .../triton/tensor_ops.py).
+TE_IMPORTERS = {
+    "0.3.1": {
+        "megatron.bridge.peft.lora_layers": "transformer_engine",  # import ...pytorch as te
+        "megatron.bridge.peft.lora": "transformer_engine",  # import ...pytorch as te
+        "megatron.bridge.models.gpt_full_te_layer_autocast_spec": "transformer_engine",
+        "megatron.core.inference.contexts.attention_context.triton.tensor_ops": "triton",
+    },
+}
+
+
+class StandInUsed(RuntimeError):
+    """A Transformer Engine stand-in was used: this code path needs the real TE."""
+
+
+class _InertMeta(type):
+    """Classes whose unknown attributes are further inert classes (``te.ops.Sequential``)."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _inert(f"{cls.__qualname__}.{name}")
+
+
+def _refuse(self, *args, **kwargs):
+    raise StandInUsed(f"{type(self).__qualname__}: a Transformer Engine stand-in "
+                      f"(megatron_scalevec.testing.bridge_shim); this needs the real TE")
+
+
+def _inert(qualname: str) -> type:
+    cls = _InertMeta(qualname.rsplit(".", 1)[-1], (), {"__init__": _refuse, "__call__": _refuse})
+    cls.__qualname__ = qualname
+    return cls
+
+
+class _StandInModule(types.ModuleType):
+    """A module whose every attribute is an inert class (cached, so ``is`` checks agree)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _inert(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+def _jit(fn=None, **kwargs):
+    """``@triton.jit`` / ``@triton.jit(...)``: the kernel becomes an inert class."""
+    if fn is None:
+        return _jit
+    return _inert(f"triton.jit.{getattr(fn, '__qualname__', 'kernel')}")
+
+
+def te_stand_ins() -> dict:
+    """Fresh stand-in modules: ``transformer_engine(.pytorch)``, ``triton(.language)``."""
+    te, triton = _StandInModule("transformer_engine"), _StandInModule("triton")
+    te.pytorch = _StandInModule("transformer_engine.pytorch")
+    triton.language = _StandInModule("triton.language")
+    triton.jit = _jit
+    return {"transformer_engine": te, "transformer_engine.pytorch": te.pytorch,
+            "triton": triton, "triton.language": triton.language}
+
+
+def bridge_version() -> str:
+    return importlib.metadata.version("megatron-bridge")
+
+
+@contextlib.contextmanager
+def _answer_te_imports(importers: dict):
+    modules = te_stand_ins()
+    real = builtins.__import__
+
+    def scoped_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002
+        importer = (globals or {}).get("__name__")
+        top = name.split(".")[0]
+        if level == 0 and importers.get(importer) == top:
+            if name not in modules:
+                raise ImportError(f"bridge_shim: no stand-in for {name} (imported by {importer})")
+            return modules[name] if fromlist else modules[top]
+        return real(name, globals, locals, fromlist, level)
+
+    builtins.__import__ = scoped_import
+    try:
+        yield
+    finally:
+        builtins.__import__ = real
+
+
+def import_bridge():
+    """``megatron.bridge`` imported with the scoped stand-ins (see the module docstring).
+
+    Refuses a Bridge version whose TE importers are not listed. Importing Bridge takes ~20 s
+    (it imports every model family); later calls return the imported module.
+    """
+    version = bridge_version()
+    if version not in TE_IMPORTERS:
+        raise RuntimeError(f"megatron-bridge {version}: bridge_shim knows the Transformer Engine "
+                           f"imports of {sorted(TE_IMPORTERS)} only (pin one of them)")
+    with _answer_te_imports(TE_IMPORTERS[version]):
+        return importlib.import_module("megatron.bridge")
+
+
+REQUIRE_ENV = "MEGATRON_SCALEVEC_REQUIRE_BRIDGE"
+# Tried 2026-12-03 with `pip install --no-deps` beside megatron-core 0.19.2, transformers 5.24.0.
+NO_BRIDGE_312 = ("no megatron-bridge release imports on Python 3.12 with megatron-core 0.19 and "
+                 "transformers 5.24 (0.5.1-0.6.2: transformers.modeling_attn_mask_utils is gone; "
+                 "0.4.x: needs nvidia-modelopt); the Bridge tests run on CI's leg 1 (Bridge 0.3.1)")
+
+
+def bridge_or_skip():
+    """For a test module: ``megatron.bridge`` imported, or the module skipped with the reason
+    (Bridge not installed, or a version this shim does not know). With
+    ``MEGATRON_SCALEVEC_REQUIRE_BRIDGE=1`` (CI's Bridge leg) the reason is a failure instead."""
+    import os  # noqa: PLC0415
+
+    import pytest  # noqa: PLC0415 -- test-only helper
+
+    try:
+        version = bridge_version()
+    except importlib.metadata.PackageNotFoundError:
+        reason = "megatron-bridge is not installed (CI installs it on leg 1: .ci/run)"
+        if sys.version_info >= (3, 12):
+            reason = NO_BRIDGE_312
+    else:
+        reason = None if version in TE_IMPORTERS else (
+            f"megatron-bridge {version} is not one this shim knows ({sorted(TE_IMPORTERS)})")
+    if reason is not None:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            raise RuntimeError(f"{REQUIRE_ENV}=1 but {reason}")
+        pytest.skip(reason, allow_module_level=True)
+    return import_bridge()
