@@ -109,7 +109,7 @@ def _provider_vs_direct(rank, world, form, moe, tp, sp, ep, source):
                       rotary_base=provider.rotary_base)
     ours, theirs = dict(built.named_parameters()), dict(direct.named_parameters())
     differ = sorted(n for n in ours if n in theirs and not torch.equal(ours[n], theirs[n]))
-    vectors = sum("scale_" in n or "_norm." in n for n in ours)
+    vectors = sum(hasattr(p, "scalevec_part") for p in ours.values())
     experts = sorted({n.split(".")[2] for n in ours if ".mlp.experts." in n})
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, M.VOCAB, (2, M.SEQ), generator=g)
