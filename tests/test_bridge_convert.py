@@ -120,10 +120,8 @@ def _convert(rank, world, hf_dir, strategy, allow, out_dir):
 
 
 def convert(hf_dirs, tmp_path, family, strategy, allow=False):
-    r = run_on_ranks(_convert, 1, hf_dirs(family), strategy, allow,
-                     str(tmp_path / "export"), timeout=300)[0]
-    print(family, strategy, r)
-    return r
+    return run_on_ranks(_convert, 1, hf_dirs(family), strategy, allow,
+                        str(tmp_path / "export"), timeout=300)[0]
 
 
 STOCK_NAME = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -159,3 +157,83 @@ def test_dnp_exports_with_our_modeling_file(hf_dirs, tmp_path, family, strategy)
     assert r["architecture"] == svb.hf_remote.REMOTE_ARCH, r
     assert r["export_vs_ours"] < TOL, r
     assert r["vs_source"] > 1e-3  # the function did change (DNP added norms): not vacuous
+
+
+def _with_extra_tensor(hf_dir, path):
+    """A copy of a HF checkpoint with one tensor nobody maps."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, path)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    tensors["model.layers.0.self_attn.mystery.weight"] = torch.ones(3)
+    save_file(tensors, f, metadata={"format": "pt"})
+    return path
+
+
+def test_an_unmapped_tensor_fails_naming_it(hf_dirs, tmp_path):
+    bad = _with_extra_tensor(hf_dirs("llama"), str(tmp_path / "bad"))
+    r = run_on_ranks(_convert, 1, bad, "hg+dp", False, str(tmp_path / "export"), timeout=300)[0]
+    assert "model.layers.0.self_attn.mystery.weight" in r.get("refused", ""), r
+
+
+def _stock_spec(rank, world, hf_dir):
+    """A stock-spec provider through our registered bridge: Bridge's own mappings, unchanged."""
+    from megatron.bridge import AutoBridge
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from safetensors.torch import load_file
+
+    from megatron_scalevec.testing.distributed import init_model_parallel
+
+    init_model_parallel()
+    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    assert isinstance(bridge._model_bridge, svb.ScaleVecLlamaBridge)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    provider.transformer_layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    [model] = _cpu(provider).provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    diff = float((_logits(model, tokens) - _hf_logits(hf_dir, tokens)).abs().max())
+    original = load_file(os.path.join(hf_dir, "model.safetensors"))
+    exported = dict(bridge.export_hf_weights([model], cpu=True, show_progress=False))
+    same = sorted(original) == sorted(exported) and all(
+        torch.equal(original[k], exported[k]) for k in original)
+    return svb.model_strategy(model), diff, same
+
+
+def test_stock_spec_models_keep_bridges_own_path(hf_dirs):
+    strategy, diff, same = run_on_ranks(_stock_spec, 1, hf_dirs("llama"), timeout=300)[0]
+    assert strategy is None and diff < TOL and same
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_our_table_and_bridges_stock_tables_agree(family):
+    """Our converter's stock <-> HF names (convert/hf.py) equal what Bridge's own bridge maps,
+    layer and expert by layer and expert: the stock path and ours cannot disagree on names."""
+    from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+    from megatron.bridge.models.qwen.qwen3_bridge import Qwen3Bridge
+    from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+
+    from megatron_scalevec.convert import hf as H
+    from megatron_scalevec.convert.arch import ModelArch
+
+    registry = {"llama": LlamaBridge, "qwen3": Qwen3Bridge,
+                "qwen3_moe": Qwen3MoEBridge}[family]().mapping_registry()
+    arch = ModelArch(**FAMILIES[family])
+    ours = {k: v for k, v in H._GLOBAL_MAP}
+    for i in range(arch.num_layers):
+        p, q = f"decoder.layers.{i}.", f"model.layers.{i}."
+        ours.update({p + a: q + b for a, b in H._LAYER_MAP
+                     if arch.qk_layernorm or "_layernorm" not in a.split(".")[1]})
+        ours[p + "self_attention.linear_qkv.weight"] = {
+            b: f"{q}self_attn.{b}_proj.weight" for b in "qkv"}
+        for fc1, fc2, gate, up, down, _ in H._mlp_pairs(arch, i):
+            ours[fc1], ours[fc2] = {"gate": gate, "up": up}, down
+        if H._router_pair(arch, i):
+            ours.update([H._router_pair(arch, i)])
+    for megatron, hf in ours.items():
+        mapping = registry.megatron_to_hf_lookup(megatron)
+        assert mapping is not None, f"Bridge maps no {megatron}"
+        assert mapping.hf_param == hf, (megatron, mapping.hf_param, hf)

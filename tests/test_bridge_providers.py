@@ -10,6 +10,7 @@ ranks inherit it. Skipped only where Bridge is not installed (CI installs it on 
 """
 
 import functools
+import types
 
 import pytest
 import torch
@@ -52,8 +53,8 @@ def _loss(model, tokens):
 
 def _tiny_provider(form, moe, tp, sp, ep, source):
     """A provider: GPTModelProvider from the tiny fields, or the one Bridge's own Llama /
-    Qwen3 bridge configures from a tiny HF config, made CPU-friendly."""
-    from megatron.bridge import AutoBridge
+    Qwen3-MoE bridge configures from a tiny HF config (called directly: our bridges, once
+    imported, take their place in AutoBridge's dispatch), made CPU-friendly."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
     fields = {k: v for k, v in vars(M.tiny_config(**(MOE if moe else {}))).items()
@@ -71,19 +72,21 @@ def _tiny_provider(form, moe, tp, sp, ep, source):
                                     seq_length=M.SEQ, position_embedding_type="rope",
                                     share_embeddings_and_output_weights=False)
     else:
+        from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+        from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
+
         from megatron_scalevec.convert.arch import ModelArch
         from megatron_scalevec.convert.hf import hf_config
 
+        experts = dict(num_moe_experts=4, moe_ffn_hidden_size=32) if moe else {}
         arch = ModelArch(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                          ffn_hidden_size=64, vocab_size=M.VOCAB, max_sequence_length=M.SEQ,
-                         qk_layernorm=source == "qwen3")
-        provider = AutoBridge.from_hf_config(hf_config(arch)).to_megatron_provider(
-            load_weights=False)
-        for k, v in {**cpu, **layout}.items():
+                         qk_layernorm=source == "qwen3_moe", **experts)
+        stock = {"llama": LlamaBridge, "qwen3_moe": Qwen3MoEBridge}[source]()
+        provider = stock.provider_bridge(types.SimpleNamespace(config=hf_config(arch)))
+        assert type(provider) is GPTModelProvider  # what Bridge's bridges configure
+        for k, v in {**cpu, **layout, **(MOE if moe else {})}.items():
             setattr(provider, k, v)
-        if moe:
-            for k, v in MOE.items():
-                setattr(provider, k, v)
     provider.transformer_layer_spec = _spec_form(form)
     provider.finalize()
     return provider
@@ -124,7 +127,7 @@ CASES = {
     "gpt_moe_tp2_sp": ("moe", True, 2, True, 1, "gpt", 2),
     "gpt_partial_moe_ep2": ("partial_moe", True, 1, False, 2, "gpt", 2),
     "llama_dense_tp2_sp": ("dense", False, 2, True, 1, "llama", 2),
-    "qwen3_moe_ep2": ("moe", True, 1, False, 2, "qwen3", 2),
+    "qwen3_moe_ep2": ("moe", True, 1, False, 2, "qwen3_moe", 2),
 }
 
 
