@@ -105,6 +105,13 @@ def _convert(rank, world, hf_dir, strategy, allow, out_dir):
     except ValueError as e:  # FunctionChangeError is a ValueError
         return {"refused": f"{type(e).__name__}: {e}"}
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    vs_source = float((_logits(model, tokens) - _hf_logits(hf_dir, tokens)).abs().max())
+    if strategy != "shared":  # as if trained: every vector moved (DNP gammas start at 1)
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():
+                if hasattr(p, "scalevec_part"):
+                    p.add_(0.1 * torch.randn(p.shape, generator=g))
     ours = _logits(model, tokens)
     name = svb.save_hf(model, out_dir)
     remote = name == svb.hf_remote.REMOTE_ARCH
@@ -113,7 +120,7 @@ def _convert(rank, world, hf_dir, strategy, allow, out_dir):
     return dict(
         strategy=svb.model_strategy(model).to_string(), architecture=name,
         vectors=sum(hasattr(p, "scalevec_part") for p in model.parameters()),
-        vs_source=float((ours - _hf_logits(hf_dir, tokens)).abs().max()),
+        vs_source=vs_source,
         export_vs_ours=float((_hf_logits(out_dir, tokens, remote) - ours).abs().max()),
         same_tensors=sorted(original) == sorted(exported) and all(
             torch.equal(original[k], exported[k]) for k in original))
