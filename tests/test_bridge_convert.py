@@ -90,15 +90,17 @@ def _hf_logits(path, tokens, remote=False):
         return load_exported(path, torch.float32, remote)(input_ids=tokens).logits.float()
 
 
-def _convert(rank, world, hf_dir, strategy, allow, out_dir):
+def _convert(rank, world, hf_dir, strategy, allow, out_dir, tp=1):
     from megatron.bridge import AutoBridge
     from safetensors.torch import load_file
 
     from megatron_scalevec.testing.distributed import init_model_parallel
 
-    init_model_parallel()
+    init_model_parallel(tp=tp)
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
-    provider = _cpu(svb.scalevec_provider(bridge, strategy, allow_function_change=allow))
+    provider = svb.scalevec_provider(bridge, strategy, allow_function_change=allow)
+    provider.tensor_model_parallel_size = tp
+    provider = _cpu(provider)
     try:
         [model] = provider.provide_distributed_model(
             wrap_with_ddp=False, use_cpu_initialization=True, mixed_precision_wrapper=None)
@@ -244,3 +246,20 @@ def test_our_table_and_bridges_stock_tables_agree(family):
         mapping = registry.megatron_to_hf_lookup(megatron)
         assert mapping is not None, f"Bridge maps no {megatron}"
         assert mapping.hf_param == hf, (megatron, mapping.hf_param, hf)
+
+
+def test_conversion_at_another_layout_is_refused_in_one_line(hf_dirs, tmp_path):
+    rs = run_on_ranks(_convert, 2, hf_dirs("llama"), "hg", False, str(tmp_path / "x"), tp=2,
+                      timeout=300)
+    for r in rs:
+        assert "runs at TP=PP=EP=1 (here TP, PP, EP = (2, 1, 1))" in r.get("refused", ""), r
+
+
+def test_without_our_bridges_imported_scalevec_provider_refuses():
+    from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+
+    class Plain:  # an AutoBridge whose dispatch found Bridge's own bridge
+        _model_bridge = LlamaBridge()
+
+    with pytest.raises(ValueError, match="import megatron_scalevec.convert.bridge"):
+        svb.scalevec_provider(Plain(), "hg")
