@@ -4,8 +4,10 @@ from setuptools import find_packages, setup
 
 MUON = "emerging-optimizers==0.3.0; python_version >= '3.12'"
 # Megatron-Bridge, installed with `pip install --no-deps` (its own requirements pull GPU-only
-# packages): 0.3.1 supports megatron-core < 0.17, so Python 3.11 only (.ci/run's leg 1).
+# packages), one pin per CI leg: 0.3.1 supports megatron-core < 0.17 (Python 3.11); 0.6.2
+# (Python 3.12 only) megatron-core 0.19. Tests import it through testing/bridge_shim.py.
 BRIDGE = "megatron-bridge==0.3.1"
+BRIDGE_PY312 = "megatron-bridge==0.6.2"
 
 setup(
     name="megatron_scalevec",
@@ -40,7 +42,7 @@ setup(
         # from source; the PyPI package named "apex" is unrelated, so it is never listed.
         "te": ["transformer-engine[pytorch]"],
         # The pure-Python packages Bridge needs to build models and convert checkpoints;
-        # Bridge itself: `pip install --no-deps megatron-bridge==0.3.1` (BRIDGE above).
+        # Bridge itself: `pip install --no-deps` BRIDGE or BRIDGE_PY312 above.
         "bridge": ["omegaconf==2.4.0", "rich==15.0.0", "einops==0.8.2", "pyyaml>=6",
                    "regex", "tqdm", "transformers==5.24.0", "safetensors==0.8.0"],
     },

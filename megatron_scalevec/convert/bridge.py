@@ -21,8 +21,8 @@ checkpoint there to train at any layout::
     model = provider.provide_distributed_model(wrap_with_ddp=False)
     hf = dict(svb.export_bridge(model).export_hf_weights(model))   # folded / auto_map
 
-Private Bridge API touched (checked on megatron-bridge 0.3.1): ``AutoBridge._model_bridge``
-(which bridge AutoBridge dispatched to).
+Private Bridge API touched (checked on megatron-bridge 0.3.1 and 0.6.2):
+``AutoBridge._model_bridge`` (which bridge AutoBridge dispatched to).
 """
 
 from __future__ import annotations
@@ -185,18 +185,21 @@ class ScaleVecBridgeMixin:
 
     def stream_weights_megatron_to_hf(self, megatron_model, hf_pretrained, cpu=True,
                                       show_progress=True, conversion_tasks=None,
-                                      merge_adapter_weights=True):
+                                      merge_adapter_weights=True, **newer):
+        """``newer``: keywords of later Bridge versions (0.6: ``weight_dtype``), passed on."""
         if model_strategy(megatron_model) is None:
             yield from super().stream_weights_megatron_to_hf(
                 megatron_model, hf_pretrained, cpu, show_progress, conversion_tasks,
-                merge_adapter_weights)
+                merge_adapter_weights, **newer)
             return
+        dtype = newer.get("weight_dtype")
         hf_sd, config = hf_export(megatron_model)
         name = config.architectures[0]
         if name != self.SOURCE_NAME:
             raise ValueError(f"this model exports as {name}, not {self.SOURCE_NAME}: export "
                              f"through export_bridge(model)")
         for key, tensor in hf_sd.items():
+            tensor = tensor.to(dtype) if dtype is not None else tensor
             yield HFWeightTuple(key, tensor.cpu() if cpu else tensor)
 
 

@@ -1,16 +1,17 @@
 """Import Megatron-Bridge on a machine without Transformer Engine (tests only).
 
 Bridge imports ``transformer_engine`` unguarded at the top of a few modules (LoRA layers, a
-TE-only layer spec) that ``import megatron.bridge`` reaches through ``AutoBridge``, and its
-Mamba provider reaches a megatron-core module that imports ``triton`` unguarded. A global
+TE-only layer spec) that ``import megatron.bridge`` reaches through ``AutoBridge``; 0.3.1's
+Mamba provider reaches a megatron-core 0.16 module that imports ``triton`` unguarded, and
+0.6.2's bundled Bailing model a transformers module gone from transformers 5.24. A global
 fake ``transformer_engine`` in ``sys.modules`` would break megatron-core, which then believes
 TE is installed (``HAVE_TE``) and reads its package metadata. So :func:`import_bridge` answers
 those imports with inert stand-ins *only for the importing modules listed per Bridge version*
 (:data:`TE_IMPORTERS`), through ``builtins.__import__`` while Bridge is being imported, and
-puts nothing in ``sys.modules``: megatron-core and every other module still see no TE and no
-triton. The
-stand-ins' classes can be named and subclassed (Bridge defines ``TELinearAdapter(te.Linear)``)
-but raise when instantiated or called, so a TE code path used by mistake fails loudly.
+puts nothing in ``sys.modules``: megatron-core and every other module still see no TE (and
+no triton where none is installed). The stand-ins' classes can be named and subclassed (0.3.1
+defines ``TELinearAdapter(te.Linear)``) but raise when instantiated or called, so a TE code
+path used by mistake fails loudly.
 
 The list is version-specific (read from Bridge's source); a Bridge version not listed is
 refused, naming the versions that are.
@@ -27,7 +28,7 @@ import types
 
 __all__ = ["TE_IMPORTERS", "bridge_version", "import_bridge", "te_stand_ins"]
 
-# Bridge version -> {module importing a GPU-only package at top level unguarded: that package}.
+# Bridge version -> {module importing unguarded at top level: the package (or module) it lacks}.
 # megatron-core's Mamba inference kernels import triton unguarded; Bridge reaches them through
 # its Mamba provider (megatron-core 0.16.1's ssm/mamba_mixer.py -> .../triton/tensor_ops.py).
 TE_IMPORTERS = {
@@ -36,6 +37,14 @@ TE_IMPORTERS = {
         "megatron.bridge.peft.lora": "transformer_engine",  # import ...pytorch as te
         "megatron.bridge.models.gpt_full_te_layer_autocast_spec": "transformer_engine",
         "megatron.core.inference.contexts.attention_context.triton.tensor_ops": "triton",
+    },
+    # beside megatron-core 0.19.2 and transformers 5.24 (Bridge 0.6 pins transformers <= 5.12.1,
+    # whose attention-mask helpers its bundled Bailing model still imports)
+    "0.6.2": {
+        "megatron.bridge.peft.lora_layers": "transformer_engine",
+        "megatron.bridge.models.gpt_full_te_layer_autocast_spec": "transformer_engine",
+        "megatron.bridge.models.bailing.modeling_bailing_moe_v2":
+            "transformers.modeling_attn_mask_utils",
     },
 }
 
@@ -88,8 +97,16 @@ def te_stand_ins() -> dict:
     te.pytorch = _StandInModule("transformer_engine.pytorch")
     triton.language = _StandInModule("triton.language")
     triton.jit = _jit
+    masks = "transformers.modeling_attn_mask_utils"  # only ever imported from (fromlist)
     return {"transformer_engine": te, "transformer_engine.pytorch": te.pytorch,
-            "triton": triton, "triton.language": triton.language}
+            "triton": triton, "triton.language": triton.language, masks: _StandInModule(masks)}
+
+
+def left_in_sys_modules() -> list:
+    """Stand-ins or any ``transformer_engine`` module in ``sys.modules`` (must stay empty here:
+    TE is not installed where the shim is used; triton may be, with torch's CUDA build)."""
+    return sorted(n for n, m in list(sys.modules.items())
+                  if isinstance(m, _StandInModule) or n.split(".")[0] == "transformer_engine")
 
 
 def bridge_version() -> str:
@@ -103,11 +120,13 @@ def _answer_te_imports(importers: dict):
 
     def scoped_import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A002
         importer = (globals or {}).get("__name__")
-        top = name.split(".")[0]
-        if level == 0 and importers.get(importer) == top:
-            if name not in modules:
+        missing = importers.get(importer) if level == 0 else None
+        if missing and (name == missing or name.startswith(missing + ".")):
+            top = name.split(".")[0]
+            answer = modules.get(name) if fromlist else modules.get(top)
+            if answer is None:
                 raise ImportError(f"bridge_shim: no stand-in for {name} (imported by {importer})")
-            return modules[name] if fromlist else modules[top]
+            return answer
         return real(name, globals, locals, fromlist, level)
 
     builtins.__import__ = scoped_import
@@ -132,11 +151,6 @@ def import_bridge():
 
 
 REQUIRE_ENV = "MEGATRON_SCALEVEC_REQUIRE_BRIDGE"
-# Tried 2026-12-03 with `pip install --no-deps` beside megatron-core 0.19.2, transformers 5.24.0.
-NO_BRIDGE_312 = ("no megatron-bridge release imports on Python 3.12 with megatron-core 0.19 and "
-                 "transformers 5.24 (0.5.1-0.6.2: transformers.modeling_attn_mask_utils is gone; "
-                 "0.4.x: needs nvidia-modelopt); the Bridge tests run on CI's leg 1 (Bridge 0.3.1)")
-
 
 def bridge_or_skip():
     """For a test module: ``megatron.bridge`` imported, or the module skipped with the reason
@@ -149,9 +163,8 @@ def bridge_or_skip():
     try:
         version = bridge_version()
     except importlib.metadata.PackageNotFoundError:
-        reason = "megatron-bridge is not installed (CI installs it on leg 1: .ci/run)"
-        if sys.version_info >= (3, 12):
-            reason = NO_BRIDGE_312
+        reason = ("megatron-bridge is not installed (CI installs setup.py's BRIDGE / "
+                  "BRIDGE_PY312 with --no-deps: .ci/run)")
     else:
         reason = None if version in TE_IMPORTERS else (
             f"megatron-bridge {version} is not one this shim knows ({sorted(TE_IMPORTERS)})")
