@@ -53,7 +53,7 @@ def _loss(model, tokens):
 
 def _tiny_provider(form, moe, tp, sp, ep, source):
     """A provider: GPTModelProvider from the tiny fields, or the one Bridge's own Llama /
-    Qwen3-MoE bridge configures from a tiny HF config (called directly: our bridges, once
+    Qwen3 / Qwen3-MoE bridge configures from a tiny HF config (called directly: our bridges, once
     imported, take their place in AutoBridge's dispatch), made CPU-friendly."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
@@ -73,6 +73,7 @@ def _tiny_provider(form, moe, tp, sp, ep, source):
                                     share_embeddings_and_output_weights=False)
     else:
         from megatron.bridge.models.llama.llama_bridge import LlamaBridge
+        from megatron.bridge.models.qwen.qwen3_bridge import Qwen3Bridge
         from megatron.bridge.models.qwen.qwen3_moe_bridge import Qwen3MoEBridge
 
         from megatron_scalevec.convert.arch import ModelArch
@@ -81,8 +82,8 @@ def _tiny_provider(form, moe, tp, sp, ep, source):
         experts = dict(num_moe_experts=4, moe_ffn_hidden_size=32) if moe else {}
         arch = ModelArch(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                          ffn_hidden_size=64, vocab_size=M.VOCAB, max_sequence_length=M.SEQ,
-                         qk_layernorm=source == "qwen3_moe", **experts)
-        stock = {"llama": LlamaBridge, "qwen3_moe": Qwen3MoEBridge}[source]()
+                         qk_layernorm=source != "llama", **experts)
+        stock = {"llama": LlamaBridge, "qwen3": Qwen3Bridge, "qwen3_moe": Qwen3MoEBridge}[source]()
         provider = stock.provider_bridge(types.SimpleNamespace(config=hf_config(arch)))
         assert type(provider) is GPTModelProvider  # what Bridge's bridges configure
         for k, v in {**cpu, **layout, **(MOE if moe else {})}.items():
@@ -127,6 +128,7 @@ CASES = {
     "gpt_moe_tp2_sp": ("moe", True, 2, True, 1, "gpt", 2),
     "gpt_partial_moe_ep2": ("partial_moe", True, 1, False, 2, "gpt", 2),
     "llama_dense_tp2_sp": ("dense", False, 2, True, 1, "llama", 2),
+    "qwen3_partial_dense_tp1": ("partial_dense", False, 1, False, 1, "qwen3", 1),
     "qwen3_moe_ep2": ("moe", True, 1, False, 2, "qwen3_moe", 2),
 }
 
