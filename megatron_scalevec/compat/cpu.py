@@ -218,13 +218,11 @@ def _compiled_original(value):
 
 
 def _unwrap_compiled_in_megatron():
-    """Replace already torch.compile'd functions (module and class level) by the originals.
-    Only megatron-core's (its jit_fuser); other ``megatron.*`` packages (Bridge) are left alone."""
+    """Replace already torch.compile'd functions (module and class level) by the originals."""
     for name, mod in list(sys.modules.items()):
-        if not name.startswith("megatron.core") or mod is None:
+        if not name.startswith("megatron.") or mod is None:
             continue
-        classes = [v for v in vars(mod).values()
-                   if isinstance(v, type) and vars(v).get("__module__") == name]
+        classes = [v for v in vars(mod).values() if isinstance(v, type) and v.__module__ == name]
         for holder in [mod, *classes]:
             for attr, value in list(vars(holder).items()):
                 orig = _compiled_original(value)
