@@ -216,6 +216,15 @@ def _eager_torch_compile():
         torch.compile = saved
 
 
+def _compiled_original(value):
+    """The eager function behind a torch.compile'd one, else None. Any lookup that raises is
+    "not compiled": Megatron-Bridge's ``safe_import`` placeholders raise on every attribute."""
+    try:
+        return getattr(value, "_torchdynamo_orig_callable", None)
+    except Exception:  # noqa: BLE001 -- a placeholder's UnavailableError, whatever its type
+        return None
+
+
 def _unwrap_compiled_in_megatron():
     """Replace already torch.compile'd functions (module and class level) by the originals."""
     for name, mod in list(sys.modules.items()):
@@ -224,7 +233,7 @@ def _unwrap_compiled_in_megatron():
         classes = [v for v in vars(mod).values() if isinstance(v, type) and v.__module__ == name]
         for holder in [mod, *classes]:
             for attr, value in list(vars(holder).items()):
-                orig = getattr(value, "_torchdynamo_orig_callable", None)
+                orig = _compiled_original(value)
                 if orig is not None:
                     setattr(holder, attr, orig)
 

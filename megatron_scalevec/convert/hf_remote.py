@@ -139,6 +139,29 @@ def _remote_config(arch: ModelArch, branches: list, dtype: torch.dtype, ids: dic
     return cfg
 
 
+def hf_state(stock_sd: StateDict, stock_arch: ModelArch,
+             dnp: StateDict) -> tuple[StateDict, bool, list]:
+    """(HF state dict, needs our modeling file, DNP branches) of a folded model: a stock
+    family's names where one fits, else our modeling file's; every name and shape checked.
+    The one mapping our converter and the Megatron-Bridge bridges (bridge.py) share."""
+    remote = bool(dnp) or stock_fits(stock_arch) is not None
+    hf_sd = _hf.stock_to_hf(stock_sd, stock_arch, remote)
+    expected = _hf._expected_hf_shapes(stock_arch, remote)
+    branches = []
+    if remote:
+        extra, branches = _dnp_to_hf(dnp, stock_arch)
+        hf_sd.update(extra)
+        expected.update(_expected_dnp_shapes(stock_arch, branches))
+    check_names_and_shapes(hf_sd, expected, "Hugging Face export")
+    return hf_sd, remote, branches
+
+
+def remote_config(stock_arch: ModelArch, branches: list, dtype: torch.dtype = torch.float32,
+                  ids: Optional[dict] = None) -> dict:
+    """``config.json`` of an export that needs our modeling file (auto_map)."""
+    return _remote_config(stock_arch, branches, dtype, ids or {})
+
+
 def export(sd: StateDict, arch: ModelArch, out_dir: str, *, overwrite: bool = False,
            dtype: torch.dtype = torch.float32, tokenizer: Optional[str] = None,
            show_progress: bool = True) -> dict:
@@ -154,15 +177,7 @@ def export(sd: StateDict, arch: ModelArch, out_dir: str, *, overwrite: bool = Fa
         stock_sd, stock_arch, dnp = fold_to_stock(model, arch, keep_dnp=True)
     if arch.is_moe:
         check_routing(transformer_config(arch))
-    remote = bool(dnp) or stock_fits(stock_arch) is not None
-    hf_sd = _hf.stock_to_hf(stock_sd, stock_arch, remote)
-    expected = _hf._expected_hf_shapes(stock_arch, remote)
-    branches = []
-    if remote:
-        extra, branches = _dnp_to_hf(dnp, stock_arch)
-        hf_sd.update(extra)
-        expected.update(_expected_dnp_shapes(stock_arch, branches))
-    check_names_and_shapes(hf_sd, expected, "Hugging Face export")
+    hf_sd, remote, branches = hf_state(stock_sd, stock_arch, dnp)
     with atomic_output_dir(out_dir, overwrite) as tmp:
         ids = {}
         if tokenizer:
