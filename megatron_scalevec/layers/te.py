@@ -31,7 +31,17 @@ from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+def _te_usable() -> bool:
+    """TE's Python and its compiled extension (the pure-Python wheel alone cannot run)."""
+    try:
+        return all(importlib.util.find_spec(name) is not None
+                   for name in ("transformer_engine", "transformer_engine_torch"))
+    except (ImportError, ValueError):
+        return False
+
+
+HAVE_TE = _te_usable()
 _CACHE: dict = {}
 
 # (config attribute, why a folded module cannot run with it)
