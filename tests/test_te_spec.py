@@ -191,6 +191,9 @@ def _fold_vs_local(rank, world, strategy, experts, grouped, zero_centered, tp, t
                 if p_ref.grad is None:
                     assert p.grad is None, (name, pname)
                     continue
+                if p.grad is None:  # the fold lost this parameter
+                    worst = float("inf")
+                    continue
                 scale = max(float(p_ref.grad.abs().max()), 1e-30)
                 worst = max(worst, float((p.grad - p_ref.grad).abs().max()) / scale)
             folded += 1
@@ -311,3 +314,15 @@ def test_refusals_for_activation_mode_and_dnp_on_te_grouped():
     assert run_on_ranks(_refusal, 1, None, _cfg("hg+dp"), True)[0] is None
     msg = run_on_ranks(_refusal, 1, None, _cfg("shared+or"), False)[0]
     assert msg and "plain TE parameter" in msg, msg
+
+
+def test_te_check_tool_refuses_without_cuda_in_one_line():
+    """tools/te_check.py (gpu_check.sh part 4) on a machine without CUDA: exit 2, one line."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "tools", "te_check.py"), "--steps",
+                        "1"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, (p.returncode, p.stderr)
+    assert p.stderr.startswith("te_check: needs a CUDA device"), p.stderr
