@@ -267,6 +267,9 @@ def activate() -> types.ModuleType:
             os.environ.pop("NVTE_PROJECT_BUILDING", None)
         else:
             os.environ["NVTE_PROJECT_BUILDING"] = saved
+    # TE's cached empty tensor is ``torch.Tensor().cuda()``: made once here, on this thread,
+    # under compat/cpu.py's device mode (autograd's backward thread has no mode to map it)
+    importlib.import_module("transformer_engine.pytorch.utils")._empty_tensor()
     for name in _MEGATRON_TE_MODULES:  # they decided HAVE_TE when first imported
         if sys.modules.pop(name, None) is not None:
             importlib.import_module(name)
@@ -278,17 +281,37 @@ def activate() -> types.ModuleType:
     return te
 
 
+class _CudaTensors(torch.overrides.TorchFunctionMode):
+    """``tensor.is_cuda`` answers True (TE's forward asserts it of its input)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is torch.Tensor.is_cuda:  # the property's getter
+            return True
+        return func(*args, **(kwargs or {}))
+
+
+# what TE's constructors and forward ask of torch.cuda (a CPU build cannot answer otherwise)
+_DEVICE = types.SimpleNamespace(name="CPU stand-in", major=9, minor=0, multi_processor_count=1,
+                                total_memory=0)
+_CLAIMED = {"is_available": lambda: True, "is_current_stream_capturing": lambda: False,
+            "get_device_properties": lambda *args, **kwargs: _DEVICE}
+
+
 @contextlib.contextmanager
 def cuda_claimed():
-    """``torch.cuda.is_available()`` answers True inside (TE's module constructors assert it)."""
+    """``torch.cuda.is_available()`` answers True inside (TE's module constructors and forward
+    assert it), and no CUDA graph is being captured."""
     if not _state:
         raise RuntimeError("te_stub.cuda_claimed() outside an activated stand-in")
-    original = torch.cuda.is_available
-    torch.cuda.is_available = lambda: True
+    saved = {name: getattr(torch.cuda, name) for name in _CLAIMED}
+    for name, value in _CLAIMED.items():
+        setattr(torch.cuda, name, value)
     try:
-        yield
+        with _CudaTensors():
+            yield
     finally:
-        torch.cuda.is_available = original
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
 
 
 def hide_unusable_te() -> bool:
