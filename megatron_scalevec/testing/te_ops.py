@@ -13,6 +13,9 @@ GEMM convention (cuBLAS column-major, as TE calls it), in row-major torch terms:
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import torch
 
 _TORCH = {"kFloat32": torch.float32, "kFloat16": torch.float16, "kBFloat16": torch.bfloat16,
@@ -160,10 +163,22 @@ FUNCTIONS = (generic_gemm, te_general_grouped_gemm, rmsnorm_fwd, rmsnorm_bwd, la
              layernorm_bwd)
 
 
+CALLS: collections.Counter = collections.Counter()  # name -> calls (tests: what TE reached)
+
+
+def _counted(fn):
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        CALLS[fn.__name__] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 def install(mod) -> None:
     """Put the implemented functions on the stand-in extension module."""
     for fn in FUNCTIONS:
-        setattr(mod, fn.__name__, fn)
+        setattr(mod, fn.__name__, _counted(fn))
     mod.get_num_cublas_streams = lambda: 4
     # DotProductAttention's constructor reads it (encoded as cudnn does: 9.10.0)
     mod.get_cudnn_version = lambda: 91000
