@@ -199,7 +199,11 @@ def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
     moe = get_scalevec_layer_spec(cfg, config.num_moe_experts, transformer_impl=impl,
                                   grouped_gemm=config.moe_grouped_gemm) if any(pattern) else None
     specs = [moe if pattern[offset + i] else dense for i in range(n)]
-    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm_spec(cfg, "final"))
+    final = norm_spec(cfg, "final")
+    if impl == "transformer_engine" and cfg.vectors and not cfg.hg and \
+            cfg.parameterization == "plain":  # shared: the stock TE final norm and its keys
+        final = ModuleSpec(module=linear_modules(impl)["norm"], params={"scalevec": cfg})
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final)
 
 
 def scalevec_moe_spec(config, vp_stage: Optional[int] = None, *,

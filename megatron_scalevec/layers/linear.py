@@ -154,7 +154,8 @@ class ScaleVecLinearMixin:
         expert_allreduce = getattr(weight, "allreduce", True) if is_expert else None
         in_vec = scalevec.hg and scalevec.vectors
         out_vec = scalevec.dp
-        if out_vec and (getattr(self, "bias", None) is not None):
+        bias = getattr(self, "bias", None)  # TE keeps an empty tensor when bias=False
+        if out_vec and bias is not None and bias.numel() > 0:
             raise ValueError("DP output-side vectors with a linear bias are not supported: "
                              "set add_bias_linear=False / add_qkv_bias=False")
         self.scale_in = torch.nn.ModuleDict()

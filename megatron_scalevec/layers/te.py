@@ -17,8 +17,10 @@ QKV / fc1 GEMM runs once, and TE's fused norm (and its fused FP8 cast) is kept:
 The fold is :meth:`ScaleVecLinearMixin.forward_weight` (dense, per expert) and layers/grouped.py's
 ``stacked_forward_weight`` (grouped): the functions the local path runs and tests, once per
 optimizer step when that is on (layers/fold_cache.py).
-Written against TE 2.9-2.11 with megatron-core 0.16.1; NOT run here (TE cannot be installed
-on these CPU machines): tests/test_te_spec.py checks the classes over stand-in TE bases.
+Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
+megatron-core's real TE wrappers: tests/test_te_spec.py, on CPU through the test-only stand-in
+for TE's compiled extension (testing/te_stub.py, testing/te_ops.py), TE's own fp32 forward and
+backward included. FP8 is not exercised there (tools/te_check.py on a CUDA machine with TE).
 """
 
 from __future__ import annotations
@@ -31,10 +33,24 @@ from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+def _te_usable() -> bool:
+    """TE's Python and its compiled extension (the pure-Python wheel alone cannot run)."""
+    try:
+        return all(importlib.util.find_spec(name) is not None
+                   for name in ("transformer_engine", "transformer_engine_torch"))
+    except (ImportError, ValueError):
+        return False
+
+
+HAVE_TE = _te_usable()
 _CACHE: dict = {}
 
-# (config attribute, why a folded module cannot run with it)
+# (config attribute, why a folded module cannot run with it). TransformerConfig fields in
+# megatron-core 0.16.1 and 0.19.2: delay_wgrad_compute, fp8_param; moe_single_grouped_weight
+# from 0.19 (tests/test_te_spec.py checks each). use_te_op_fuser is a spec-builder argument
+# (our specs never build TEFusedMLP) and use_megatron_fsdp / use_custom_fsdp are DDP-config
+# fields: read here only if a caller sets them on the TransformerConfig.
 _REFUSED = (
     ("delay_wgrad_compute", "TE's backward_dw recomputes the weight and writes .grad onto a "
                             "fresh tensor: the folded weight's gradient would be lost"),

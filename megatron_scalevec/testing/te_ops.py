@@ -1,0 +1,184 @@
+"""Test-only torch versions of the Transformer Engine extension functions that TE's non-FP8
+forward and backward of ``LayerNormLinear``, ``Linear`` and ``GroupedLinear`` call (TE 2.11 and
+2.17.1, read from ``cpp_extensions/gemm.py`` and ``module/_common.py`` / ``layernorm_linear.py``
+of each): ``generic_gemm``, ``te_general_grouped_gemm``, ``rmsnorm_fwd`` / ``rmsnorm_bwd``,
+``layernorm_fwd`` / ``layernorm_bwd``; plus the two queries the modules make
+(``get_num_cublas_streams``, ``get_cudnn_version``). Installed on te_stub's stand-in extension.
+
+GEMM convention (cuBLAS column-major, as TE calls it), in row-major torch terms:
+``D = op(B) @ op(A)`` with ``op(X) = X.T`` when that operand's ``trans`` flag is set: TN is
+``x @ W.T`` (forward), NN ``dy @ W`` (dgrad), NT ``dy.T @ x`` (wgrad). Anything quantized
+(FP8 tensors, output quantizers), GELU fusion or communication overlap raises.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import torch
+
+_TORCH = {"kFloat32": torch.float32, "kFloat16": torch.float16, "kBFloat16": torch.bfloat16,
+          "kInt32": torch.int32, "kByte": torch.uint8}
+
+
+def _torch_dtype(te_dtype, default):
+    if te_dtype is None:
+        return default
+    if isinstance(te_dtype, torch.dtype):
+        return te_dtype
+    return _TORCH[te_dtype.name]
+
+
+def _plain(*tensors) -> None:
+    for t in tensors:
+        if t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise NotImplementedError(f"CPU stand-in GEMM: {type(t).__name__} operands (FP8 "
+                                      "and other quantized tensors) are not implemented")
+
+
+def _no(**options) -> None:
+    for name, value in options.items():
+        if value:
+            raise NotImplementedError(f"CPU stand-in: {name} is not implemented")
+
+
+def _matmul(A, transa, B, transb):
+    _plain(A, B)
+    a = A.reshape(-1, A.shape[-1])
+    b = B.reshape(-1, B.shape[-1])
+    d = (b.t() if transb else b).float() @ (a.t() if transa else a).float()
+    if not transb and B.dim() > 2:
+        d = d.reshape(*B.shape[:-1], d.shape[-1])
+    return d
+
+
+def _store(d, out, accumulate, alpha=1.0, beta=None):
+    d = d * alpha if alpha != 1.0 else d
+    if out is None:
+        return d
+    if accumulate:
+        out.mul_(1.0 if beta is None else beta).add_(d.reshape(out.shape).to(out.dtype))
+    else:
+        out.copy_(d.reshape(out.shape))
+    return out
+
+
+def generic_gemm(A, transa, B, transb, out, quantizer, out_dtype, bias, bias_type, gelu,
+                 gelu_in, grad, workspace, workspace_size, accumulate, use_split_accumulator,
+                 comm_overlap=None, comm_type=None, extra_output=None, bulk_overlap=False,
+                 alpha=1.0, beta=None, **unused):
+    """One GEMM; returns (D, bias gradient, GELU input, extra output) as TE's binding does."""
+    _no(output_quantizer=quantizer is not None, gelu=gelu, comm_overlap=comm_overlap is not None,
+        bulk_overlap=bulk_overlap)
+    d = _matmul(A, transa, B, transb)
+    bias_grad = None
+    if bias is not None and bias.numel():
+        if grad:  # wgrad GEMM: the bias gradient is dY summed over tokens (B is dY here)
+            bias_grad = B.reshape(-1, B.shape[-1]).float().sum(0).to(bias.dtype)
+        else:
+            d = d + bias.float()
+    dtype = out.dtype if out is not None else _torch_dtype(out_dtype, B.dtype)
+    d = _store(d, out, accumulate, alpha, beta)
+    return d.to(dtype) if out is None else d, bias_grad, None, extra_output
+
+
+def te_general_grouped_gemm(A, transa, B, transb, out, out_dtype, m_splits, bias, bias_dtype,
+                            single_output, gelu_input, grad, workspaces, workspace_size,
+                            accumulate, use_split_accumulator, sm_margin=0, *args, **unused):
+    """One GEMM per group (A[i], B[i]); with ``single_output`` the results are the row blocks
+    of ``out[0]`` (sizes ``m_splits``). Returns the bias list (gradients when ``grad``)."""
+    start = 0
+    for i, (a, b) in enumerate(zip(A, B)):
+        d = _matmul(a, transa, b, transb)
+        has_bias = bias is not None and i < len(bias) and bias[i] is not None and bias[i].numel()
+        if has_bias and grad:
+            bias[i].copy_(b.reshape(-1, b.shape[-1]).float().sum(0))
+        elif has_bias:
+            d = d + bias[i].float()
+        if single_output:
+            rows = d.shape[0]
+            _store(d, out[0][start:start + rows], accumulate)
+            start += rows
+        else:
+            _store(d, out[i], accumulate)
+    return bias
+
+
+def _norm_out(y, ln_out, quantizer, otype, x):
+    _no(output_quantizer=quantizer is not None)
+    y = y.to(_torch_dtype(otype, x.dtype))
+    if ln_out is not None:
+        ln_out.copy_(y.reshape(ln_out.shape))
+        return ln_out
+    return y
+
+
+def rmsnorm_fwd(x, weight, eps, ln_out, quantizer, otype, sm_margin, zero_centered_gamma):
+    """Returns (y, None, rsigma); rsigma per row, in fp32 as TE keeps it."""
+    xf = x.float()
+    rsigma = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    gamma = weight.float() + (1.0 if zero_centered_gamma else 0.0)
+    y = xf * rsigma.unsqueeze(-1) * gamma
+    return _norm_out(y, ln_out, quantizer, otype, x), None, rsigma
+
+
+def rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma):
+    """Returns (dx, dgamma)."""
+    xf, dzf, rs = x.float(), dz.float().reshape(x.shape), rsigma.float().unsqueeze(-1)
+    g = gamma.float() + (1.0 if zero_centered_gamma else 0.0)
+    xhat = xf * rs
+    dxhat = dzf * g
+    dx = rs * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    dgamma = (dzf * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dgamma.to(gamma.dtype)
+
+
+def layernorm_fwd(x, weight, bias, eps, ln_out, quantizer, otype, sm_margin,
+                  zero_centered_gamma):
+    """Returns (y, mu, rsigma)."""
+    xf = x.float()
+    mu = xf.mean(-1)
+    rsigma = torch.rsqrt((xf - mu.unsqueeze(-1)).pow(2).mean(-1) + eps)
+    gamma = weight.float() + (1.0 if zero_centered_gamma else 0.0)
+    y = (xf - mu.unsqueeze(-1)) * rsigma.unsqueeze(-1) * gamma + bias.float()
+    return _norm_out(y, ln_out, quantizer, otype, x), mu, rsigma
+
+
+def layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
+    """Returns (dx, dgamma, dbeta)."""
+    xf, dzf = x.float(), dz.float().reshape(x.shape)
+    rs = rsigma.float().unsqueeze(-1)
+    g = gamma.float() + (1.0 if zero_centered_gamma else 0.0)
+    xhat = (xf - mu.float().unsqueeze(-1)) * rs
+    dxhat = dzf * g
+    dx = rs * (dxhat - dxhat.mean(-1, keepdim=True) - xhat * (dxhat * xhat).mean(-1,
+                                                                                keepdim=True))
+    flat = dzf.reshape(-1, x.shape[-1])
+    return (dx.to(x.dtype), (flat * xhat.reshape(flat.shape)).sum(0).to(gamma.dtype),
+            flat.sum(0).to(gamma.dtype))
+
+
+FUNCTIONS = (generic_gemm, te_general_grouped_gemm, rmsnorm_fwd, rmsnorm_bwd, layernorm_fwd,
+             layernorm_bwd)
+
+
+CALLS: collections.Counter = collections.Counter()  # name -> calls (tests: what TE reached)
+
+
+def _counted(fn):
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        CALLS[fn.__name__] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def install(mod) -> None:
+    """Put the implemented functions on the stand-in extension module."""
+    for fn in FUNCTIONS:
+        setattr(mod, fn.__name__, _counted(fn))
+    mod.get_num_cublas_streams = lambda: 4
+    # DotProductAttention's constructor reads it (encoded as cudnn does: 9.10.0)
+    mod.get_cudnn_version = lambda: 91000

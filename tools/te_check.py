@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""The Transformer Engine path on a CUDA machine with TE installed (tools/gpu_check.sh, part 4).
+
+Each variant (``stock``: megatron-core's own TE spec; or a strategy through our TE spec) trains
+N steps on fixed random tokens in each precision: ``bf16``, ``fp8-current`` (megatron-core's
+``fp8_recipe='tensorwise'``, TE's current scaling) and ``fp8-block`` (``'blockwise'``, when TE
+reports block scaling available: Hopper with CUDA >= 12.9). Reported per row: median step time,
+its ratio to ``shared`` in the same precision, ``torch.cuda.max_memory_allocated`` and the loss
+after the last step. One process, TP=PP=1.
+
+Usage: python tools/te_check.py [--variants stock shared unified] [--steps 20] [--num-experts 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+PRECISIONS = {"bf16": None, "fp8-current": "tensorwise", "fp8-block": "blockwise"}
+
+
+def _fail(msg: str) -> None:
+    print(f"te_check: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _available(te_pytorch, name: str) -> tuple[bool, str]:
+    """TE's own availability probe (``is_fp8_available`` ...); (ok, reason)."""
+    probe = getattr(te_pytorch, name, None)
+    if probe is None:
+        return False, f"this TE has no {name}"
+    got = probe(return_reason=True) if "return_reason" in probe.__code__.co_varnames else probe()
+    return (bool(got[0]), str(got[1])) if isinstance(got, tuple) else (bool(got), "")
+
+
+def _config(args, fp8_recipe):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
+              num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+              ffn_hidden_size=args.ffn_hidden_size, normalization="RMSNorm",
+              gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+              hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+              pipeline_dtype=torch.bfloat16, transformer_impl="transformer_engine",
+              gradient_accumulation_fusion=False)
+    if args.num_experts:
+        kw.update(num_moe_experts=args.num_experts, moe_router_topk=args.topk,
+                  moe_ffn_hidden_size=args.ffn_hidden_size // args.topk,
+                  moe_grouped_gemm=args.grouped_gemm, moe_token_dispatcher_type="alltoall",
+                  moe_aux_loss_coeff=0.0)
+    if fp8_recipe:
+        kw.update(fp8="hybrid", fp8_recipe=fp8_recipe)
+    return TransformerConfig(**kw)
+
+
+def _model(config, variant, args):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_scalevec.specs import get_scalevec_block_spec
+
+    spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+            if variant == "stock" else get_scalevec_block_spec(config, variant))
+    return GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq_length,
+                    position_embedding_type="rope").cuda()
+
+
+def run_one(args, variant, precision) -> dict:
+    import torch
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(7)
+    model = _model(_config(args, PRECISIONS[precision]), variant, args)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch_size, args.seq_length + 1),
+                           device="cuda", generator=g)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    positions = torch.arange(args.seq_length, device="cuda").expand_as(inputs)
+    times, loss = [], None
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(inputs, positions, None, labels=labels).float().mean()
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return dict(variant=variant, precision=precision, ms=1e3 * statistics.median(times),
+                peak=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
+
+
+def report(rows) -> str:
+    shared = {r["precision"]: r for r in rows if r["variant"] == "shared"}
+    out = ["| variant | precision | step ms | time vs shared | peak GiB | peak vs shared "
+           "| loss after N |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = shared.get(r["precision"])
+        rel = (f"{r['ms'] / s['ms']:.3f}", f"{r['peak'] / s['peak']:.3f}") if s else ("n/a",) * 2
+        out.append(f"| {r['variant']} | {r['precision']} | {r['ms']:.1f} | {rel[0]} | "
+                   f"{r['peak']:.2f} | {rel[1]} | {r['loss']:.4f} |")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", default=["stock", "shared", "unified"])
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=2048)
+    p.add_argument("--num-attention-heads", type=int, default=16)
+    p.add_argument("--num-query-groups", type=int, default=4)
+    p.add_argument("--ffn-hidden-size", type=int, default=5632)
+    p.add_argument("--num-experts", type=int, default=0)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--grouped-gemm", action="store_true", help="TE grouped experts (TEGroupedMLP)")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32000)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail("needs a CUDA device (Transformer Engine's kernels); none is visible")
+    try:
+        import transformer_engine.pytorch as te_pytorch
+    except Exception as err:  # TE's import raises RuntimeError without its libraries
+        _fail(f"needs Transformer Engine with its extension ({type(err).__name__}: "
+              f"{str(err).splitlines()[0] if str(err) else ''})")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    probes = {"fp8-current": "is_fp8_available", "fp8-block": "is_fp8_block_scaling_available"}
+    rows = []
+    for precision in args.precisions:
+        if precision in probes:
+            ok, why = _available(te_pytorch, probes[precision])
+            if not ok:
+                print(f"skipped {precision}: {why or 'not supported here'}", flush=True)
+                continue
+        for variant in args.variants:
+            rows.append(run_one(args, variant, precision))
+            print(rows[-1], flush=True)
+    print(report(rows))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
