@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import re
+import sys
 import warnings
 from typing import Optional
 
@@ -120,6 +121,20 @@ def iwd_overrides(config, overrides: Optional[dict], scalevec: ScaleVecConfig) -
     return merged
 
 
+# Megatron-LM flags our specs do not support yet: (args attribute, flag, why).
+UNSUPPORTED = [("use_megatron_fsdp", "--use-megatron-fsdp", "Megatron-FSDP's sharded parameters "
+                "are untested with the vectors' reads and folds; use the distributed optimizer"),
+               ("use_custom_fsdp", "--use-custom-fsdp", "Megatron-FSDP (see above)")]
+
+
+def refuse_unsupported(args) -> None:
+    """One line and exit 2 for a flag the scale-vector specs do not support."""
+    for attr, flag, why in UNSUPPORTED:
+        if getattr(args, attr, False):
+            print(f"megatron_scalevec: {flag} is not supported: {why}", file=sys.stderr)
+            raise SystemExit(2)
+
+
 def wrap_optimizer_config(original):
     """``get_megatron_optimizer_config(args)`` that applies IWD for our ``--spec``."""
     def get_megatron_optimizer_config(args):
@@ -127,6 +142,7 @@ def wrap_optimizer_config(original):
         scalevec = strategy_of_spec(getattr(args, "spec", None))
         if scalevec is None:
             return config, overrides
+        refuse_unsupported(args)
         _state["scalevec"] = scalevec
         return config, iwd_overrides(config, overrides, scalevec)
 

@@ -293,3 +293,20 @@ def test_global_stat_names():
     assert out == {"scalevec/decoder.layers.5.mlp.experts.local_experts.3.scale_in.up/norm": 2.0,
                    "scalevec/decoder.final_layernorm/norm": 1.0}
     assert "n=2" in megatron_lm.summary_line(out)
+
+
+def test_megatron_fsdp_is_refused_in_one_line(capsys):
+    """Megatron-LM's --use-megatron-fsdp with our --spec: one line naming the flag, exit 2,
+    when the optimizer config is asked for (after the model, before any step)."""
+    from types import SimpleNamespace
+
+    wrapped = megatron_lm.wrap_optimizer_config(lambda args: ("config", {}))
+    args = SimpleNamespace(spec=["megatron_scalevec.megatron_lm_spec", "scalevec_dense"],
+                           use_megatron_fsdp=True)
+    with pytest.raises(SystemExit) as exit_info:
+        wrapped(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--use-megatron-fsdp is not supported" in err[0], err
+    args.spec = ["megatron.core.models.gpt.gpt_layer_specs", "nothing"]  # not our spec
+    assert wrapped(args) == ("config", {})
