@@ -55,6 +55,10 @@ thread that runs megatron code.
     layernorm / moe_act           its FP8 branch always (``fp8    its fp8 flag is set False
                                   is not None``, 0.16.1): TE
                                   names undefined without TE
+14  torch's CUDA build on a CPU    torch.utils.cpp_extension,      its logger is told to keep
+    machine (CI's Python 3.12     imported by megatron-core 0.19, warnings to itself (errors
+    leg)                          warns "No CUDA runtime is       still show)
+                                  found" at import
 ==  ============================  ==============================  ================================
 """
 
@@ -344,6 +348,7 @@ def enable_cpu_compat() -> bool:
     with _LOCK:
         if not _ENABLED:
             _patch_torch_cuda()
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # patch 14
             torch.distributed.all_gather = _uneven_all_gather(torch.distributed.all_gather)
             with _eager_torch_compile():
                 _patch_megatron()

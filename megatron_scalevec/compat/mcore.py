@@ -31,7 +31,7 @@ working. The rest of the package calls these helpers and never branches on the v
     in the spec                            release) and applies its own norms
 6   0.17: ``grouped_gemm_util`` removed    not used any more (our grouped experts use
                                            torch's grouped_mm, layers/grouped.py)
-7   0.19: ``GPTModel`` logs a deprecation  ``quiet_known_notices()``: once per process
+7   0.19: ``GPTModel`` logs a deprecation  ``quiet_known_notices()``: dropped
     notice on every construction
 8   0.18: Muon is built by                 ``get_muon_optimizer``: megatron's
     ``get_megatron_optimizer`` from        ``_get_megatron_emerging_optimizer`` present, else
@@ -173,11 +173,15 @@ class _DropRepeats(logging.Filter):
 
 _NOTICES = (
     # 0.19: every GPTModel construction warns that GPTModel is deprecated (HybridModel does not
-    # exist on 0.16); once per process says it.
-    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED", True),
+    # exist on 0.16, and Megatron-LM's own pretrain_gpt.py builds GPTModel): not shown, it
+    # would be the first line of every run and of every one-line refusal.
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED", False),
     # TransformerLayer (<= 0.17) warns "Unknown MLP type" for any MLP class it does not list by
     # identity (ours included), then builds it correctly with default kwargs.
     ("megatron.core.transformer.transformer_layer", "Unknown MLP type", False),
+    # 0.19: a dist-checkpointing save advises NVRx's async saving, also for a synchronous save
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated",
+     False),
 )
 _QUIETED: set = set()
 

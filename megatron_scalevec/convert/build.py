@@ -77,6 +77,9 @@ def build_model(arch: ModelArch, scalevec: Optional[str] = None, seed: int = 123
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_scalevec.compat import mcore
+
+    mcore.quiet_known_notices()  # a stock spec imports no specs.py, which installs them
     ensure_parallel_state(seed)
     strategy = arch.scalevec if scalevec is None else scalevec
     config = transformer_config(arch)

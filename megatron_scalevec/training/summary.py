@@ -38,6 +38,8 @@ _LIBRARY_DEPRECATIONS = (
     (FutureWarning, r"`(load|save)_state_dict` is deprecated"),
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
     (UserWarning, r"full scope is deprecated"),
+    # 0.19: get_megatron_optimizer imports its MiMo model class, whose module warns on import
+    (UserWarning, r"MimoModelConfig is experimental"),
 )
 
 
