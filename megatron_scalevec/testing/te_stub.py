@@ -270,6 +270,12 @@ def activate() -> types.ModuleType:
     # TE's cached empty tensor is ``torch.Tensor().cuda()``: made once here, on this thread,
     # under compat/cpu.py's device mode (autograd's backward thread has no mode to map it)
     importlib.import_module("transformer_engine.pytorch.utils")._empty_tensor()
+    # megatron-core caches TE's version on first ask (0.0.0 while TE was hidden, e.g. after a
+    # Megatron-Bridge import asked): forget it. Private ``megatron.core.utils._te_version``,
+    # checked on megatron-core 0.16.1 and 0.19.2.
+    mcore_utils = importlib.import_module("megatron.core.utils")
+    if hasattr(mcore_utils, "_te_version"):
+        mcore_utils._te_version = None
     for name in _MEGATRON_TE_MODULES:  # they decided HAVE_TE when first imported
         if sys.modules.pop(name, None) is not None:
             importlib.import_module(name)
