@@ -154,6 +154,9 @@ def _hook_and_wrappers(rank, world):
     from megatron_scalevec.testing.models import SEQ, VOCAB, tiny_config
 
     init_model_parallel()
+    for name in [n for n in sys.modules if n.startswith("megatron.training")]:
+        sys.modules.pop(name)  # this fork's Megatron-LM is the stand-in only
+    megatron_lm._state.update(installed=False, model=None, scalevec=None)
     training, calls = _fake_megatron_lm()
     os.environ["MEGATRON_SCALEVEC"] = "hg+dp+er+iwd"
     sys.modules.pop("megatron_scalevec.specs", None)
@@ -210,6 +213,8 @@ def test_old_spec_module_is_refused_inside_megatron_lm(monkeypatch):
     package = types.ModuleType("megatron.training")
     package.get_args = lambda: types.SimpleNamespace(spec=["megatron_scalevec.specs", "x"])
     monkeypatch.setitem(sys.modules, "megatron.training", package)
+    for name in [n for n in sys.modules if n.startswith("megatron.training.")]:
+        monkeypatch.delitem(sys.modules, name)  # a real one (Megatron-Bridge imports some)
     monkeypatch.delitem(sys.modules, specs.MEGATRON_LM_SPEC_MODULE, raising=False)
     with pytest.raises(RuntimeError, match="--spec megatron_scalevec.megatron_lm_spec"):
         _ = specs.scalevec_moe.submodules.layer_specs
