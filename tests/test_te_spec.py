@@ -3,8 +3,9 @@ Python modules (TE's pure-Python wheel, made importable on CPU by testing/te_stu
 forked ranks only). Checked: the spec layout; ``shared`` has the stock TE spec's parameters and
 checkpoint keys; every strategy's ``_get_weight_tensors()`` fold and its gradients equal the
 local path's; HG's fused norm weight is a frozen identity outside the checkpoint; checkpoints
-move between the TE and the local spec exactly; the refusals, against the real flag names.
-TE's forward needs its GPU kernels, so models are built and folded here, not run.
+move between the TE and the local spec exactly; the refusals, against the real flag names; and
+TE's own fp32 forward and backward (its autograd functions over testing/te_ops.py's torch GEMMs
+and norms) give the local spec's loss and every gradient. FP8 needs a GPU (tools/te_check.py).
 """
 
 import contextlib
@@ -402,3 +403,26 @@ def test_te_forward_backward_tp2_sequence_parallel(tmp_path, strategy, experts):
     for r in run_on_ranks(_run_tp2, 2, strategy, experts, str(tmp_path)):
         assert not r["same"] and r["dloss"] < 1e-5 * max(1.0, r["loss"]), r
         assert r["worst"] < 1e-4 and "generic_gemm" in r["calls"], r
+
+
+def _with_real_extension(rank, world):
+    import importlib
+    import sys
+    import types
+    import warnings
+
+    sys.modules[te_stub.EXTENSION] = types.ModuleType(te_stub.EXTENSION)  # "compiled" TE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        importlib.reload(te_stub)
+    try:
+        te_stub.activate()
+    except RuntimeError as err:
+        return [str(w.message) for w in caught], str(err)
+    return [str(w.message) for w in caught], None
+
+
+def test_stub_warns_and_refuses_where_real_te_is_installed():
+    warned, refused = run_on_ranks(_with_real_extension, 1)[0]
+    assert any("compiled extension is installed" in w for w in warned), warned
+    assert refused and "real Transformer Engine extension is installed" in refused, refused
