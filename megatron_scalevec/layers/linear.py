@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fused
-from megatron_scalevec.vectors import ScaleVector
+from megatron_scalevec.vectors import ScaleVector, stacked
 
 
 def branch_layout(branches: str, config, out_local: int) -> tuple:
@@ -187,7 +187,13 @@ class ScaleVecLinearMixin:
         """[S, width] gamma per slot (ones for a branch without vector), None if no vector."""
         if len(vectors) == 0:
             return None
-        per_branch = {name: vec() for name, vec in vectors.items()}
+        # one projection's vectors are alike (same size, parameterization, placement): one
+        # batched evaluation (vectors.stacked) rather than one per branch, unless they hold a
+        # value computed once for several users (shared expert vectors)
+        vecs = list(vectors.values())
+        values = stacked(vecs).unbind(0) if len(vecs) > 1 and all(
+            v._once is None for v in vecs) else [v() for v in vecs]
+        per_branch = dict(zip(vectors.keys(), values))
         ref = next(iter(per_branch.values()))
         ones = None
         rows: list[torch.Tensor] = []
