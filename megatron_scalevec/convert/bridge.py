@@ -52,6 +52,7 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.convert import hf as _hf
 from megatron_scalevec.convert import hf_remote
 from megatron_scalevec.convert.arch import ModelArch
+from megatron_scalevec.convert.build import moe_fields
 from megatron_scalevec.convert.fold import fold_to_stock
 from megatron_scalevec.convert.io import check_names_and_shapes, full_state_dict, load_full_into
 from megatron_scalevec.convert.warmstart import warm_start
@@ -132,12 +133,7 @@ def apply_arch(provider, arch: ModelArch):
         share_embeddings_and_output_weights=arch.tie_embeddings, add_bias_linear=False,
         add_qkv_bias=False, position_embedding_type="rope", should_pad_vocab=False)
     if arch.is_moe:
-        fields.update(num_moe_experts=arch.num_moe_experts, moe_router_topk=arch.moe_router_topk,
-                      moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
-                      moe_shared_expert_intermediate_size=(
-                          arch.moe_shared_expert_intermediate_size),
-                      moe_router_pre_softmax=arch.moe_router_pre_softmax,
-                      moe_layer_freq=arch.moe_layer_freq)
+        fields.update(moe_fields(arch))
     for k, v in fields.items():
         setattr(provider, k, v)
     return provider

@@ -13,6 +13,15 @@ import torch
 from megatron_scalevec.convert.arch import STOCK, ModelArch
 
 
+def moe_fields(arch: ModelArch) -> dict:
+    """The MoE config fields an arch fixes (this module's configs and the Bridge providers')."""
+    return dict(num_moe_experts=arch.num_moe_experts, moe_router_topk=arch.moe_router_topk,
+                moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+                moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
+                moe_router_pre_softmax=arch.moe_router_pre_softmax,
+                moe_layer_freq=arch.moe_layer_freq)
+
+
 def transformer_config(arch: ModelArch, **overrides):
     """megatron-core TransformerConfig at the current parallel layout, fusions off."""
     from megatron.core import parallel_state
@@ -37,12 +46,7 @@ def transformer_config(arch: ModelArch, **overrides):
         transformer_impl="local",
     )
     if arch.is_moe:
-        kw.update(num_moe_experts=arch.num_moe_experts, moe_router_topk=arch.moe_router_topk,
-                  moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
-                  moe_shared_expert_intermediate_size=(
-                      arch.moe_shared_expert_intermediate_size),
-                  moe_router_pre_softmax=arch.moe_router_pre_softmax,
-                  moe_layer_freq=arch.moe_layer_freq, moe_token_dispatcher_type="alltoall",
+        kw.update(moe_fields(arch), moe_token_dispatcher_type="alltoall",
                   moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
                   moe_grouped_gemm=False)
     kw.update(overrides)
