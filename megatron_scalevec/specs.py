@@ -109,7 +109,7 @@ def _grouped_experts_spec(cfg: ScaleVecConfig, mlp: MLPSubmodules,
                else "torch.nn.functional.grouped_mm (torch >= 2.8)")
             + "; use grouped_gemm=False (sequential experts)")
     if transformer_impl == "transformer_engine":
-        from megatron_scalevec.layers.te import te_grouped_experts_spec  # noqa: PLC0415
+        from megatron_scalevec.layers.te_grouped import te_grouped_experts_spec  # noqa: PLC0415
 
         return te_grouped_experts_spec(cfg)
     from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP  # noqa: PLC0415

@@ -30,26 +30,11 @@ def moe_config(grouped, **overrides):
     return M.tiny_config(**kw)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor, scale: float = 0.0) -> float:
-    scale = max(float(a.float().abs().max()), scale)
-    return float((a.float() - b.float()).abs().max()) / max(scale, 1e-30)
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) / max(float(a.float().abs().max()), 1e-30)
 
 
-_SIBLING = {".magnitude": ".direction", ".alpha": ".logit"}
-
-
-def _rel_all(a: dict, b: dict) -> dict:
-    """Relative max difference per tensor. OR's magnitude / ER's alpha gradient is a sum with
-    heavy cancellation (its value can be 1e-3 of its terms): it is measured against the scale
-    of its own vector's gradient (direction / logit), the size of the terms it sums."""
-    out = {}
-    for k in a:
-        scale = 0.0
-        for end, sibling in _SIBLING.items():
-            if k.endswith(end) and k[:-len(end)] + sibling in a:
-                scale = float(a[k[:-len(end)] + sibling].float().abs().max())
-        out[k] = _rel(a[k], b[k], scale)
-    return out
+_rel_all = M.relative_differences  # OR magnitudes / ER alphas against their sibling's scale
 
 
 def _strategy(name, expert_vectors="per_expert"):

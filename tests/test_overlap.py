@@ -10,10 +10,13 @@ updates, without and with the overlap (and with ``align_param_gather``): losses 
 parameters after every step must agree bit for bit (float32, same reduction order).
 """
 
+import contextlib
+
 import pytest
+from test_te_spec import needs_te
 
 from megatron_scalevec import ScaleVecConfig
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
+from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
 from megatron_scalevec.testing import models as M
 
 STEPS = 4
@@ -28,6 +31,11 @@ KINDS = {
     "moe_grouped_shared_vectors": (dict(MOE, moe_grouped_gemm=True),
                                    dict(expert_vectors="shared")),
 }
+TE = dict(MOE, moe_grouped_gemm=True, transformer_impl="transformer_engine")
+TE_KINDS = {  # TE's dense parts and grouped experts, through TE's own autograd functions
+    "te_grouped": (TE, {}),
+    "te_grouped_shared_vectors": (TE, dict(expert_vectors="shared")),
+}
 OVERLAPS = {
     "plain": {},
     "overlap": dict(overlap_param_gather=True, overlap_grad_reduce=True),
@@ -36,15 +44,18 @@ OVERLAPS = {
 }
 
 
-def _train(config, strategy, sv, ddp_options):
-    model = M.build_gpt(config, ScaleVecConfig.from_string(strategy, **sv))
-    M.perturb_vectors(model)
-    ddp = M.wrap_ddp(model, config, True, bucket_size=200, **ddp_options)
+def _train(config, strategy, sv, ddp_options, claim):
+    """``claim``: a context factory around building and each forward-backward (TE's stand-in
+    claims CUDA there; the optimizer steps outside it)."""
+    with claim():
+        model = M.build_gpt(config, ScaleVecConfig.from_string(strategy, **sv))
+        M.perturb_vectors(model)
+        ddp = M.wrap_ddp(model, config, True, bucket_size=200, **ddp_options)
     opt = M.make_optimizer(ddp, True, lr=0.05, optimizer="sgd")
     data = M.batches(4, 2)
     losses, params = [], []
     for _ in range(STEPS):
-        losses += M.train_steps(ddp, config, data, 1, opt)
+        losses += M.train_steps(ddp, config, data, 1, opt, forward_context=claim)
         M.sync_params(ddp)  # only to read them here: training itself relies on the hooks
         params.append({k: p.detach().clone() for k, p in model.named_parameters()})
     config.param_sync_func = None
@@ -52,12 +63,17 @@ def _train(config, strategy, sv, ddp_options):
 
 
 def _case(rank, world, kind):
+    te = kind in TE_KINDS
+    if te:
+        te_stub.activate()
     init_model_parallel()
-    overrides, sv = KINDS[kind]
+    overrides, sv = {**KINDS, **TE_KINDS}[kind]
     config = M.tiny_config(**overrides)
     out = {}
+    claim = te_stub.cuda_claimed if te else contextlib.nullcontext
     for strategy in STRATEGIES:
-        runs = {name: _train(config, strategy, sv, opts) for name, opts in OVERLAPS.items()}
+        runs = {name: _train(config, strategy, sv, opts, claim)
+                for name, opts in OVERLAPS.items()}
         ref_losses, ref_params = runs["plain"]
         for name, (losses, params) in runs.items():
             bad = [f"loss {losses} vs {ref_losses}"] if losses != ref_losses else []
@@ -69,7 +85,8 @@ def _case(rank, world, kind):
     return out
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(KINDS) + [
+    pytest.param(k, marks=needs_te) for k in TE_KINDS])
 def test_overlapped_param_gather_is_exact(kind):
     for res in run_on_ranks(_case, 2, kind, timeout=600):
         failed = {k: v[:3] for k, v in res.items() if k[1] != "trained" and v}

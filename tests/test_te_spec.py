@@ -25,7 +25,6 @@ needs_te = pytest.mark.skipif(not te_stub.available() and not REQUIRED,
                               reason="TE's Python not installed (.ci/run puts it in .te_python)")
 
 STRATEGIES = ["shared", "hg", "hg+dp", "hg+or", "hg+er", "hg+dnp", "unified"]
-GROUPED_OK = ["shared", "hg", "hg+dp", "hg+or", "hg+er"]  # DNP / shared vectors: issue 31
 
 
 def _cfg(name, **kw):
@@ -56,14 +55,16 @@ def _layout(rank, world):
     _start()
     from megatron.core.extensions import transformer_engine as ext
     from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
 
+    from megatron_scalevec.layers.te_grouped import te_grouped_modules
     from megatron_scalevec.specs import get_scalevec_layer_spec
 
-    parts = te.te_modules()
+    parts = {**te.te_modules(), **te_grouped_modules()}
     dense = get_scalevec_layer_spec("unified", transformer_impl="transformer_engine").submodules
     att = dense.self_attention.submodules
     moe = get_scalevec_layer_spec("unified", 4, transformer_impl="transformer_engine").submodules
-    grouped = get_scalevec_layer_spec("hg+dp", 4, transformer_impl="transformer_engine",
+    grouped = get_scalevec_layer_spec("unified", 4, transformer_impl="transformer_engine",
                                       grouped_gemm=True).submodules.mlp.submodules.experts
     return [dense.input_layernorm is IdentityOp, dense.pre_mlp_layernorm is IdentityOp,
             att.linear_qkv.func is parts["ln_column"],
@@ -77,7 +78,9 @@ def _layout(rank, world):
             moe.mlp.submodules.shared_experts.submodules.linear_fc1.module is parts["column"],
             grouped.submodules.linear_fc1.module is parts["grouped_column"],
             issubclass(parts["grouped_column"], ext.TEColumnParallelGroupedLinear),
-            grouped.submodules.linear_fc2 is ext.TERowParallelGroupedLinear]
+            grouped.submodules.linear_fc2 is ext.TERowParallelGroupedLinear,
+            grouped.module is parts["grouped_mlp"],
+            issubclass(parts["grouped_mlp"], TEGroupedMLP)]
 
 
 @needs_te
@@ -234,7 +237,7 @@ def _as_te_keys(sharded: dict, te_keys: set) -> dict:
 
 CASES = [(s, 0, False, False) for s in STRATEGIES] + \
         [(s, 4, False, False) for s in STRATEGIES] + \
-        [(s, 4, True, False) for s in GROUPED_OK] + \
+        [(s, 4, True, False) for s in STRATEGIES] + \
         [("unified", 0, False, True), ("hg+dp+er", 4, False, True), ("hg+or", 4, True, True)]
 
 
@@ -275,7 +278,9 @@ def _refusal(rank, world, field, strategy, grouped):
     config = M.tiny_config(transformer_impl="transformer_engine")
     if field:
         object.__setattr__(config, field, True)
-    cls = te.te_modules()["grouped_column" if grouped else "ln_column"]
+    from megatron_scalevec.layers.te_grouped import te_grouped_modules
+
+    cls = te_grouped_modules()["grouped_column"] if grouped else te.te_modules()["ln_column"]
     args = (4, 32, 48) if grouped else (32, 48)
     extra = {} if grouped else dict(gather_output=False, branches="fc1")
     try:
@@ -308,12 +313,14 @@ def test_refusals_name_real_flags():
 
 
 @needs_te
-def test_refusals_for_activation_mode_and_dnp_on_te_grouped():
+def test_refusals_for_activation_mode_and_te_grouped():
     msg = run_on_ranks(_refusal, 1, None, _cfg("hg", apply_mode="activation"), False)[0]
     assert msg and "fold the vectors" in msg, msg
-    msg = run_on_ranks(_refusal, 1, None, _cfg("unified"), True)[0]
-    assert msg and "TE grouped experts" in msg, msg
-    assert run_on_ranks(_refusal, 1, None, _cfg("hg+dp"), True)[0] is None
+    for name in ("unified", "hg+dp", "hg+dnp+or"):  # every strategy builds on TE grouped
+        assert run_on_ranks(_refusal, 1, None, _cfg(name), True)[0] is None, name
+    if "moe_mlp_glu_interleave_size" in _config_fields():  # 0.19: gate / up rows interleaved
+        msg = run_on_ranks(_refusal, 1, "moe_mlp_glu_interleave_size", _cfg("unified"), True)[0]
+        assert msg and "config.moe_mlp_glu_interleave_size" in msg and "\n" not in msg, msg
     msg = run_on_ranks(_refusal, 1, None, _cfg("shared+or"), False)[0]
     assert msg and "plain TE parameter" in msg, msg
 
@@ -337,6 +344,7 @@ def _local_name(name: str) -> str:
 
     for te_part, local_part in _FUSED.items():
         name = name.replace(te_part, local_part)
+    name = re.sub(r"experts\.expert_norms\.(\d+)\.", r"experts.local_experts.\1.", name)
     name = re.sub(r"experts\.linear_fc(\d)\.weight(\d+)$",
                   r"experts.local_experts.\2.linear_fc\1.weight", name)
     return re.sub(r"experts\.linear_fc1\.scale_vectors\.(\d+)\.",
@@ -368,15 +376,15 @@ def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp):
                                   if p.grad is not None}))
     (l0, g0), (l1, g1) = out
     g1 = {_local_name(n): g for n, g in g1.items()}
-    rel = {n: float((g0[n] - g1[n]).abs().max()) / max(float(g0[n].abs().max()), 1e-30)
-           for n in g0 if n in g1}
+    rel = M.relative_differences({n: g for n, g in g0.items() if n in g1}, g1)
     return dict(dloss=abs(l0 - l1), loss=l0, same=sorted(set(g0) ^ set(g1)),
                 calls=dict(te_ops.CALLS),
                 worst=max(rel.values()), worst_name=max(rel, key=rel.get))
 
 
 RUN_CASES = [("shared", 0, False), ("unified", 0, False), ("hg+dp+er", 4, False),
-             ("unified", 4, False), ("hg+or", 4, True), ("shared", 4, True)]
+             ("unified", 4, False), ("hg+or", 4, True), ("shared", 4, True),
+             ("unified", 4, True)]
 
 
 @needs_te

@@ -8,7 +8,8 @@
 #   3. the same on a fine-grained MoE (64 experts of width 384, top-8), sequential and grouped
 #      experts (rows VARIANT/grouped; stock has no grouped experts without TE);
 #   4. only where Transformer Engine (with its extension) imports: the TE path (tools/te_check.py)
-#      dense and MoE with TE grouped experts, stock TE spec / shared / unified, bf16 and FP8
+#      dense and MoE with TE grouped experts (unified with per-expert and with shared expert
+#      vectors, hg+dp), stock TE spec / shared / unified, bf16 and FP8
 #      (current scaling; block scaling where TE reports it): step time, max_memory_allocated,
 #      loss after N steps. TE cannot be carried to the lent device (its core library is over the
 #      carry limit), so this part runs on any CUDA machine with TE installed, and is skipped
@@ -57,14 +58,17 @@ timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 
   --micro-batches 4 --vocab 32000 --warmup 3 --repeats 10 --instances 1 --variants $VARIANTS \
   --baseline shared 2>&1 | tee "$OUT/bench_moe.md"
 
-# 4. the TE path, where TE is installed (the unified / DNP rows of TE grouped experts need
-#    issue 31; until then grouped MoE compares stock / shared / hg+dp).
+# 4. the TE path, where TE is installed: dense, then MoE on TE grouped experts (TEGroupedMLP)
+#    with every kind of expert vector: unified per expert and shared per layer, hg+dp.
 if python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
   timeout 300 python3 tools/te_check.py --steps 20 --variants stock shared unified \
     2>&1 | tee "$OUT/te_dense.md"
   timeout 300 python3 tools/te_check.py --steps 20 --hidden-size 1024 --ffn-hidden-size 3072 \
-    --num-experts 64 --topk 8 --grouped-gemm --variants stock shared hg+dp \
+    --num-experts 64 --topk 8 --grouped-gemm --variants stock shared hg+dp unified \
     2>&1 | tee "$OUT/te_moe.md"
+  timeout 200 python3 tools/te_check.py --steps 20 --hidden-size 1024 --ffn-hidden-size 3072 \
+    --num-experts 64 --topk 8 --grouped-gemm --expert-vectors shared --variants unified \
+    2>&1 | tee "$OUT/te_moe_shared_vectors.md"
 else
   echo "gpu_check: Transformer Engine not importable here: TE path (part 4) skipped" \
     | tee "$OUT/te_skipped.txt"

@@ -9,6 +9,7 @@ its ratio to ``shared`` in the same precision, ``torch.cuda.max_memory_allocated
 after the last step. One process, TP=PP=1.
 
 Usage: python tools/te_check.py [--variants stock shared unified] [--steps 20] [--num-experts 0]
+       [--grouped-gemm] [--expert-vectors per_expert|shared]
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def _model(config, variant, args):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    from megatron_scalevec.config import ScaleVecConfig
     from megatron_scalevec.specs import get_scalevec_block_spec
 
     spec = (get_gpt_decoder_block_spec(config, use_transformer_engine=True)
-            if variant == "stock" else get_scalevec_block_spec(config, variant))
+            if variant == "stock" else get_scalevec_block_spec(
+                config, ScaleVecConfig.from_string(variant, expert_vectors=args.expert_vectors)))
     return GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq_length,
                     position_embedding_type="rope").cuda()
 
@@ -126,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-experts", type=int, default=0)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--grouped-gemm", action="store_true", help="TE grouped experts (TEGroupedMLP)")
+    p.add_argument("--expert-vectors", choices=["per_expert", "shared"], default="per_expert",
+                   help="one set of expert vectors per expert, or one per MoE layer")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)

@@ -244,6 +244,16 @@ def _rows(ids, *vectors):
     return tuple(None if a is None else a[ids] for a in vectors)
 
 
+def check_config(config) -> None:
+    """One line for the GLU options the DNP norm does not apply (it computes
+    ``act(a_g N(gate)) * a_u N(up)`` exactly)."""
+    for name in ("activation_func_clamp_value", "glu_linear_offset"):
+        if getattr(config, name, None):
+            raise NotImplementedError(f"DNP does not support config.{name}="
+                                      f"{getattr(config, name)}: its fused GLU norm applies "
+                                      f"no clamp or offset")
+
+
 def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, group=None,
              width: Optional[int] = None, experts: Optional[ExpertRows] = None):
     """``act(a_g N(gate)) * a_u N(up)`` (``act(a_u N(z))`` when not gated); ``z`` = fc1's

@@ -30,7 +30,8 @@ from megatron_scalevec.layers import fused, glu
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import stacked
 
-__all__ = ["ScaleVecGroupedMLP", "grouped_mm_available", "grouped_linear", "stacked_fold",
+__all__ = ["ScaleVecGroupedMLP", "expert_norm_vectors", "experts_glu_norm",
+           "grouped_mm_available", "grouped_linear", "stacked_fold",
            "stacked_fold_backward", "stacked_forward_weight", "stacked_gamma"]
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
@@ -158,6 +159,23 @@ def stacked_forward_weight(module, fc1, weights) -> torch.Tensor:
     return _StackedFold.apply(col, row, fc1.groups, *weights)
 
 
+def expert_norm_vectors(experts, config) -> tuple:
+    """(a_g or None, a_u), each [E, f]: the DNP vectors of the experts (each with ``gate_norm``
+    and ``up_norm``), read through their module calls."""
+    a_u = stacked_gamma([e.up_norm for e in experts])
+    return (stacked_gamma([e.gate_norm for e in experts]) if config.gated_linear_unit
+            else None), a_u
+
+
+def experts_glu_norm(h, a_g, a_u, norm, config, rows: glu.ExpertRows) -> torch.Tensor:
+    """DNP and the GLU over rows sorted by expert, each row with its expert's vectors (the lean
+    fused pass of layers/glu.py); ``norm``: one expert's norm, for its normalization, epsilon
+    and split group."""
+    return glu.glu_norm(h, a_g, a_u, config.activation_func, gated=config.gated_linear_unit,
+                        normalization=norm.normalization, eps=norm.eps, group=norm.split_group,
+                        width=norm.global_size, experts=rows)
+
+
 class _Fc1View:
     """The layout of the experts' fc1 (alike across experts), and the experts themselves."""
 
@@ -207,13 +225,8 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
     def _activation(self, h: torch.Tensor, rows: glu.ExpertRows) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config
         if experts[0].up_norm is not None:  # DNP: the lean fused GLU norm, per-expert vectors
-            gated = cfg.gated_linear_unit
-            n0 = experts[0].up_norm
-            a_g = stacked_gamma([e.gate_norm for e in experts]) if gated else None
-            return glu.glu_norm(h, a_g, stacked_gamma([e.up_norm for e in experts]),
-                                cfg.activation_func, gated=gated,
-                                normalization=n0.normalization, eps=n0.eps,
-                                group=n0.split_group, width=n0.global_size, experts=rows)
+            return experts_glu_norm(h, *expert_norm_vectors(experts, cfg), experts[0].up_norm,
+                                    cfg, rows)
         if not cfg.gated_linear_unit:  # as megatron-core's MLP.forward (unfused)
             return cfg.activation_func(h)
         gate, up = torch.chunk(h, 2, dim=-1)

@@ -30,6 +30,8 @@ class ScaleVecMLP(MLP):
             tp_group = pg_collection.tp
         width = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
         tp = sharding.group_size(tp_group or sharding.tp_group(is_expert))
+        if scalevec.dnp:
+            glu.check_config(config)
         if scalevec.dnp and width % tp:
             raise ValueError(f"DNP: ffn_hidden_size {width} does not split over {tp} "
                              f"tensor-parallel ranks, so its norm cannot be laid out")

@@ -68,7 +68,8 @@ from megatron_scalevec.norms import ScaleVecNorm
 from megatron_scalevec.vectors import ScaleVector
 
 __all__ = ["ExpertSharedVectors", "ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP",
-           "ScaleVecTopKRouter", "moe_model_parameters", "moe_new_parameters"]
+           "ScaleVecTopKRouter", "moe_model_parameters", "moe_new_parameters",
+           "shared_expert_vectors"]
 
 
 class ScaleVecTopKRouter(TopKRouter):
@@ -195,6 +196,25 @@ class ExpertSharedVectors(torch.nn.Module):
         return sd
 
 
+def shared_expert_vectors(config, scalevec: ScaleVecConfig, experts, pg_collection, *,
+                          expt_tp, ep, weight) -> Optional[ExpertSharedVectors]:
+    """``expert_vectors='shared'``: the layer's one set of expert vectors, attached to every
+    local expert (each with ``linear_fc1``, ``gate_norm``, ``up_norm``); None otherwise.
+    ``weight``: an expert weight, whose ``allreduce`` the vectors copy."""
+    if scalevec.expert_vectors != "shared" or not experts or \
+            not (scalevec.hg or scalevec.dp or scalevec.dnp):
+        return None
+    tp_ep = getattr(pg_collection, "tp_ep", None) if pg_collection is not None else None
+    if tp_ep is None:
+        tp_ep = parallel_state.get_expert_tensor_and_model_parallel_group(False)
+    shared = ExpertSharedVectors(config, scalevec, config.moe_ffn_hidden_size, expt_tp=expt_tp,
+                                 tp_ep=tp_ep, ep=ep,
+                                 allreduce=getattr(weight, "allreduce", True))
+    for expert in experts:
+        shared.attach(expert)
+    return shared
+
+
 class ScaleVecSequentialMLP(SequentialMLP):
     """SequentialMLP whose local experts are :class:`ScaleVecMLP` (DNP needs the MLP class).
 
@@ -218,19 +238,10 @@ class ScaleVecSequentialMLP(SequentialMLP):
                 self.config, submodules, scalevec=scalevec, is_expert=True,
                 ffn_hidden_size=self.config.moe_ffn_hidden_size, tp_group=self.tp_group,
                 name=f"{name}.local_experts.{i}" if name is not None else None))
-        self.shared_vectors = None
-        if scalevec.expert_vectors == "shared" and num_local_experts and \
-                (scalevec.hg or scalevec.dp or scalevec.dnp):
-            tp_ep = getattr(pg_collection, "tp_ep", None) if pg_collection is not None \
-                else None
-            if tp_ep is None:
-                tp_ep = parallel_state.get_expert_tensor_and_model_parallel_group(False)
-            weight = self.local_experts[0].linear_fc1.weight
-            self.shared_vectors = ExpertSharedVectors(
-                self.config, scalevec, self.config.moe_ffn_hidden_size, expt_tp=self.tp_group,
-                tp_ep=tp_ep, ep=self.ep_group, allreduce=getattr(weight, "allreduce", True))
-            for expert in self.local_experts:
-                self.shared_vectors.attach(expert)
+        self.shared_vectors = shared_expert_vectors(
+            self.config, scalevec, self.local_experts, pg_collection, expt_tp=self.tp_group,
+            ep=self.ep_group, weight=self.local_experts[0].linear_fc1.weight
+            if num_local_experts else None)
 
     def forward(self, *args, **kwargs):
         if self.shared_vectors is None:

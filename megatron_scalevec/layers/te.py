@@ -10,13 +10,12 @@ QKV / fc1 GEMM runs once, and TE's fused norm (and its fused FP8 cast) is kept:
   HG (and ``none``) its ``layer_norm_weight`` is frozen at identity (1, or 0 under
   ``layernorm_zero_centered_gamma``): not trained, not decayed, not saved. Under ``shared`` it
   is the stock trainable gamma under the stock name.
-* sequential and shared experts: a ``TEColumnParallelLinear`` subclass; grouped experts: a
-  ``TEColumnParallelGroupedLinear`` subclass folding expert e's vectors into ``weight{e}``.
+* sequential and shared experts: a ``TEColumnParallelLinear`` subclass; grouped experts:
+  layers/te_grouped.py.
 * the MoE pre-norm: TE's norm, scale-free (frozen identity) unless ``shared``.
 
-The fold is :meth:`ScaleVecLinearMixin.forward_weight` (dense, per expert) and layers/grouped.py's
-``stacked_forward_weight`` (grouped): the functions the local path runs and tests, once per
-optimizer step when that is on (layers/fold_cache.py).
+The fold is :meth:`ScaleVecLinearMixin.forward_weight`, the function the local path runs and
+tests, evaluated in every forward through the module's own call.
 Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
 megatron-core's real TE wrappers: tests/test_te_spec.py, on CPU through the test-only stand-in
 for TE's compiled extension (testing/te_stub.py, testing/te_ops.py), TE's own fp32 forward and
@@ -48,13 +47,16 @@ _CACHE: dict = {}
 
 # (config attribute, why a folded module cannot run with it). TransformerConfig fields in
 # megatron-core 0.16.1 and 0.19.2: delay_wgrad_compute, fp8_param; moe_single_grouped_weight
-# from 0.19 (tests/test_te_spec.py checks each). use_te_op_fuser is a spec-builder argument
-# (our specs never build TEFusedMLP) and use_megatron_fsdp / use_custom_fsdp are DDP-config
-# fields: read here only if a caller sets them on the TransformerConfig.
+# and use_transformer_engine_op_fuser from 0.19 (tests/test_te_spec.py checks each).
+# use_te_op_fuser is a spec-builder argument (our specs never build TEFusedMLP) and
+# use_megatron_fsdp / use_custom_fsdp are DDP-config fields: read here only if a caller sets
+# them on the TransformerConfig.
 _REFUSED = (
     ("delay_wgrad_compute", "TE's backward_dw recomputes the weight and writes .grad onto a "
                             "fresh tensor: the folded weight's gradient would be lost"),
     ("use_te_op_fuser", "TEFusedMLP reads linear_fc1.weight directly, bypassing the fold"),
+    ("use_transformer_engine_op_fuser", "TE's fused ops (TEFusedMLP, the fused grouped MLP) "
+                                        "read the weights directly, bypassing the fold"),
     ("fp8_param", "FP8 primary weights: the folded weight is not a parameter TE can keep in FP8"),
     ("use_megatron_fsdp", "Megatron-FSDP shards the weights the fold reads whole"),
     ("use_custom_fsdp", "Megatron-FSDP shards the weights the fold reads whole"),
@@ -81,8 +83,9 @@ def pre_norm_has_gamma(scalevec: ScaleVecConfig) -> bool:
 
 
 def freeze_identity(module: torch.nn.Module, name: str, zero_centered: bool) -> None:
-    """Make ``module.<name>`` a frozen identity scale (1, or 0 when the kernel uses 1 + gamma),
-    left out of state_dict (and so of sharded_state_dict) and not required on load."""
+    """Make ``module.<name>`` a frozen identity scale (1, or 0 when the kernel uses 1 + gamma;
+    0 for a LayerNorm's bias: the scale-free N has none), left out of state_dict (and so of
+    sharded_state_dict) and not required on load."""
     param = getattr(module, name)
     with torch.no_grad():
         param.fill_(0.0 if zero_centered else 1.0)
@@ -106,8 +109,8 @@ def _out_local(output_size: int, is_expert: bool) -> int:
 
 
 def make_te_classes(base: dict) -> dict:
-    """Our TE classes over megatron-core's (``base``: its class names -> classes); tests pass
-    stand-ins here. Keys: ln_column, column, grouped_column, norm, row, grouped_row, attention."""
+    """Our dense TE classes over megatron-core's (``base``: its class names -> classes).
+    Keys: ln_column, column, norm, row, attention (grouped experts: layers/te_grouped.py)."""
 
     class _Folded(ScaleVecLinearMixin):
         def _init_folded(self, scalevec, branches, config, input_size, output_size, is_expert):
@@ -144,6 +147,8 @@ def make_te_classes(base: dict) -> dict:
             self._init_folded(scalevec, branches, config, input_size, output_size, False)
             if not pre_norm_has_gamma(scalevec):
                 freeze_identity(self, "layer_norm_weight", config.layernorm_zero_centered_gamma)
+                if getattr(self, "layer_norm_bias", None) is not None:  # LayerNorm: beta = 0
+                    freeze_identity(self, "layer_norm_bias", True)
 
     class ScaleVecTEColumnParallelLinear(_Folded, base["TEColumnParallelLinear"]):
         """TE column linear (sequential and shared experts) with branch vectors folded."""
@@ -161,110 +166,13 @@ def make_te_classes(base: dict) -> dict:
             norm = base["TENorm"](config=config, hidden_size=hidden_size, eps=eps)
             if not pre_norm_has_gamma(scalevec):
                 freeze_identity(norm, "weight", config.layernorm_zero_centered_gamma)
+                if getattr(norm, "bias", None) is not None:  # LayerNorm: beta = 0
+                    freeze_identity(norm, "bias", True)
             return norm
 
     return dict(ln_column=ScaleVecTELayerNormColumnParallelLinear,
                 column=ScaleVecTEColumnParallelLinear, norm=ScaleVecTENorm,
-                grouped_column=make_grouped_class(base["TEColumnParallelGroupedLinear"]),
-                row=base["TERowParallelLinear"], grouped_row=base["TERowParallelGroupedLinear"],
-                attention=base["TEDotProductAttention"], grouped_mlp=base["TEGroupedMLP"])
-
-
-class _ExpertVectors(ScaleVecLinearMixin, torch.nn.Module):
-    """One expert's fc1 vectors inside a grouped linear (same layout as a sequential fc1)."""
-
-    def __init__(self, scalevec, config, input_size, out_local, group, weight):
-        torch.nn.Module.__init__(self)
-        object.__setattr__(self, "weight", weight)  # read for `allreduce`, not registered
-        self._init_scale_vectors(scalevec, "fc1", config, input_size, out_local, True, group,
-                                 "weight")
-
-
-def make_grouped_class(base):
-    """``TEColumnParallelGroupedLinear`` subclass folding expert e's vectors into weight{e}
-    (HG / DP and OR / ER; DNP needs a per-expert norm between the GEMMs TEGroupedMLP runs)."""
-
-    class ScaleVecTEColumnParallelGroupedLinear(base):
-        def __init__(self, num_gemms, input_size, output_size, *, scalevec: ScaleVecConfig,
-                     config, **kwargs):
-            check_foldable(config, scalevec)
-            if scalevec.dnp or scalevec.expert_vectors == "shared" and \
-                    (scalevec.hg or scalevec.dp):
-                raise NotImplementedError(
-                    f"{scalevec.to_string()} (expert_vectors={scalevec.expert_vectors}) with TE "
-                    "grouped experts: DNP and shared expert vectors run on sequential experts "
-                    "or on the local grouped experts (transformer_impl='local')")
-            if scalevec.dp and config.add_bias_linear:
-                raise ValueError("DP output-side vectors with a linear bias are not supported: "
-                                 "set add_bias_linear=False")
-            super().__init__(num_gemms, input_size, output_size, config=config, **kwargs)
-            self.scalevec = scalevec  # read by layers/fold_cache.py
-            group = sharding.tp_group(is_expert=True)
-            self.scale_vectors = torch.nn.ModuleList(
-                _ExpertVectors(scalevec, config, input_size, _out_local(output_size, True),
-                               group, getattr(self, f"weight{e}")) for e in range(num_gemms))
-            self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
-            if self.has_scale_vectors:
-                self.fuse_wgrad_accumulation = False
-
-        def _get_weight_tensors(self):
-            from megatron_scalevec.layers.grouped import stacked_forward_weight  # noqa
-
-            weights = list(super()._get_weight_tensors())
-            if not self.has_scale_vectors:
-                return weights
-            return list(stacked_forward_weight(self, _VectorsView(self.scale_vectors),
-                                               weights).unbind(0))
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            """The vectors at their global expert ids, under the sequential experts' keys
-            (TEGroupedMLP maps ``linear_fc1.`` to ``experts.linear_fc1.``)."""
-            from megatron.core import parallel_state as ps  # noqa: PLC0415
-            from megatron.core.dist_checkpointing.utils import (  # noqa: PLC0415
-                replace_prefix_for_sharding,
-            )
-
-            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-            for key in [k for k in sd if k.startswith(f"{prefix}scale_vectors.")]:
-                del sd[key]
-            n = len(self.scale_vectors)
-            first = ps.get_expert_model_parallel_rank() * n
-            total = ps.get_expert_model_parallel_world_size() * n
-            copy = ps.get_expert_data_parallel_rank()
-            for e, vectors in enumerate(self.scale_vectors):
-                offsets = (*sharded_offsets, (len(sharded_offsets), first + e, total))
-                local, part = f"{prefix}scale_vectors.{e}.", {}
-                for dict_name in ("scale_in", "scale_out"):
-                    for name, vec in getattr(vectors, dict_name).items():
-                        part.update(vec.sharded_state_dict(f"{local}{dict_name}.{name}.",
-                                                           offsets, metadata))
-                replace_prefix_for_sharding(part, local, prefix)  # keys as sequential's
-                for sh in part.values():
-                    sh.replica_id = (*sh.replica_id[:2], copy)
-                sd.update(part)
-            return sd
-
-    return ScaleVecTEColumnParallelGroupedLinear
-
-
-class _VectorsView:
-    def __init__(self, holders):
-        self.experts = list(holders)
-        self.groups, self.slots, self.rows = holders[0].groups, holders[0].slots, holders[0].rows
-
-    def __getattr__(self, name):
-        return getattr(self.experts[0], name)
-
-
-def te_grouped_experts_spec(cfg: ScaleVecConfig):
-    """megatron-core's TEGroupedMLP with our folded grouped fc1 (a ModuleSpec)."""
-    from megatron.core.transformer.mlp import MLPSubmodules  # noqa: PLC0415
-    from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: PLC0415
-
-    parts = te_modules()
-    fc1 = ModuleSpec(module=parts["grouped_column"], params={"scalevec": cfg})
-    return ModuleSpec(module=parts["grouped_mlp"],
-                      submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["grouped_row"]))
+                row=base["TERowParallelLinear"], attention=base["TEDotProductAttention"])
 
 
 def megatron_te_bases() -> dict:

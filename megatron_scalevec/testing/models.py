@@ -8,6 +8,7 @@ are saved the same way and read back as full tensors with ``load_plain_tensors``
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from typing import Optional
@@ -157,12 +158,14 @@ def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1
 
 
 def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
-                grad_norms: Optional[list] = None) -> list:
+                grad_norms: Optional[list] = None, forward_context=None) -> list:
     """Run ``steps`` iterations over this data-parallel rank's share of ``data``
     (micro-batches); returns the loss of each step averaged over all ranks' micro-batches.
     ``grad_norms`` collects the norm each ``optimizer.step()`` returns. ``ddp_model``: one DDP
     model or a list of virtual pipeline chunks (the interleaved schedule then reads one data
-    iterator per chunk, each over the same micro-batches)."""
+    iterator per chunk, each over the same micro-batches). ``forward_context``: a context
+    manager factory around each forward-backward (not the optimizer step), e.g.
+    ``te_stub.cuda_claimed``."""
     chunks = ddp_model if isinstance(ddp_model, list) else [ddp_model]
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -185,9 +188,11 @@ def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
             out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
             return out, lambda t: (t.float().mean(), {"loss": t.float().mean().detach()})
 
-        res = fwd_bwd(forward_step_func=step, data_iterator=its if len(its) > 1 else its[0],
-                      model=chunks, num_microbatches=len(mine), seq_length=SEQ,
-                      micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
+        with forward_context() if forward_context is not None else contextlib.nullcontext():
+            res = fwd_bwd(forward_step_func=step,
+                          data_iterator=its if len(its) > 1 else its[0], model=chunks,
+                          num_microbatches=len(mine), seq_length=SEQ,
+                          micro_batch_size=mine[0]["tokens"].shape[0], forward_only=False)
         loss = torch.tensor(0.0)
         if parallel_state.is_pipeline_last_stage():
             loss = torch.stack([r["loss"] for r in res]).mean()
@@ -287,11 +292,15 @@ def save_grads(model, directory: str) -> None:
     """Save ``main_grad`` (after finalize) in the weights' checkpoint layout."""
     saved = {}
     for name, p in model.named_parameters():
+        grad = p.main_grad if getattr(p, "main_grad", None) is not None else p.grad
+        if grad is None and not p.requires_grad:  # frozen (TE's identity norms): as it is
+            continue
         saved[name] = p.data.clone()
-        p.data.copy_(p.main_grad if getattr(p, "main_grad", None) is not None else p.grad)
+        p.data.copy_(grad)
     save_model(model, directory)
     for name, p in model.named_parameters():
-        p.data.copy_(saved[name])
+        if name in saved:
+            p.data.copy_(saved[name])
 
 
 def plain_tensors(directory: str) -> dict:
@@ -325,3 +334,22 @@ def relative_mismatches(ref: dict, other: dict, *, rtol: float, tiny: float = 2e
         if diff > rtol * scale + tiny:
             bad.append(f"{k}: max|diff| {diff:.3e} vs scale {scale:.3e}")
     return bad
+
+
+_SIBLING = {".magnitude": ".direction", ".alpha": ".logit"}
+
+
+def relative_differences(ref: dict, other: dict) -> dict:
+    """Per key ``max|other - ref| / max|ref|``. OR's magnitude / ER's alpha gradient is a sum
+    with heavy cancellation (its value can be 1e-3 of its terms): it is measured against the
+    scale of its own vector's gradient (direction / logit), the size of the terms it sums."""
+    out = {}
+    for k in ref:
+        scale = float(ref[k].float().abs().max())
+        for end, sibling in _SIBLING.items():
+            if k.endswith(end) and k[:-len(end)] + sibling in ref:
+                scale = max(scale, float(ref[k[:-len(end)] + sibling].float().abs().max()))
+        diff = float((ref[k].float() - other[k].float()).abs().max())
+        out[k] = diff / max(scale, 1e-30)
+    return out
+

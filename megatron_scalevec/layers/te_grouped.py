@@ -1,0 +1,325 @@
+"""Transformer Engine grouped experts with scale vectors (optional, guarded; the dense TE parts
+are layers/te.py). Every strategy runs here, ``unified`` included:
+
+* ``linear_fc1``: a ``TEColumnParallelGroupedLinear`` subclass whose ``_get_weight_tensors()``
+  returns each expert's ``diag(a^e) W1[e] diag(gamma^e)`` (layers/grouped.py's stacked fold, the
+  vectors of all local experts evaluated at once), so TE's grouped GEMM - and its FP8 cast of the
+  weights - runs on the folded weights.
+* the experts: a ``TEGroupedMLP`` subclass. Under DNP its forward replaces only what sits
+  between the two grouped GEMMs: the lean GLU norm of layers/glu.py, each row with its expert's
+  ``a_g, a_u`` (gathered in the kernel; only fc1's output and two per-row statistics are kept,
+  as the local grouped experts), then the router probabilities. Under expert TP the norm's
+  statistics are all-reduced over the expert-TP group. Padding, fc1, fc2, bias and recompute
+  are megatron-core's / TE's. Without DNP its forward is megatron-core's.
+* ``expert_vectors='shared'``: the layer's one set of vectors (layers/moe.py
+  ``ExpertSharedVectors``), used by every expert's fold and norm.
+
+FP8 (TE's recipe): fc1 quantizes its input and the folded weights; the DNP norm runs on fc1's
+high-precision output; fc2 quantizes its input, the GLU's output. Rows that ``Fp8Padding`` adds
+are zero (``N(0) = 0``) and carry probability 0, so they change nothing.
+
+Checkpoints use the sequential experts' keys (``experts.linear_fc1.scale_in...``,
+``experts.gate_norm...``, ``shared_vectors...``) at global expert ids: they move between
+sequential, local grouped and TE grouped experts. Tested on CPU through TE's own autograd
+functions (tests/test_te_grouped.py, testing/te_stub.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+from megatron.core.transformer.moe import moe_utils
+
+from megatron_scalevec import sharding
+from megatron_scalevec.compat import mcore
+from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.layers import glu
+from megatron_scalevec.layers.grouped import (
+    expert_norm_vectors,
+    experts_glu_norm,
+    stacked_forward_weight,
+)
+from megatron_scalevec.layers.linear import ScaleVecLinearMixin
+from megatron_scalevec.layers.moe import shared_expert_vectors
+from megatron_scalevec.layers.te import _out_local, check_foldable, megatron_te_bases, te_modules
+from megatron_scalevec.norms import ScaleVecNorm
+
+_CACHE: dict = {}
+
+
+
+def _check(config, scalevec: ScaleVecConfig) -> None:
+    """One line for each option the grouped experts with these vectors cannot honour."""
+    check_foldable(config, scalevec)
+    if scalevec.dp and config.add_bias_linear:
+        raise ValueError("DP output-side vectors with a linear bias are not supported: "
+                         "set add_bias_linear=False")
+    if (scalevec.hg or scalevec.dp or scalevec.dnp) and \
+            getattr(config, "moe_mlp_glu_interleave_size", None):
+        raise NotImplementedError("scale vectors on TE grouped experts do not support "
+                                  "config.moe_mlp_glu_interleave_size: the gate / up vectors "
+                                  "act on fc1's two halves")
+    if not scalevec.dnp:
+        return
+    glu.check_config(config)
+    offloaded = set(getattr(config, "offload_modules", None) or ()) & {"expert_fc1", "moe_act"}
+    if getattr(config, "fine_grained_activation_offloading", False) and offloaded:
+        raise NotImplementedError(f"DNP on TE grouped experts does not support "
+                                  f"config.offload_modules {sorted(offloaded)}: its forward "
+                                  f"between the GEMMs does not offload")
+
+
+class _ExpertVectors(ScaleVecLinearMixin, torch.nn.Module):
+    """One expert's fc1 vectors inside a grouped linear (same layout as a sequential fc1)."""
+
+    def __init__(self, scalevec, config, input_size, out_local, group, weight):
+        torch.nn.Module.__init__(self)
+        object.__setattr__(self, "weight", weight)  # read for `allreduce`, not registered
+        self._init_scale_vectors(scalevec, "fc1", config, input_size, out_local, True, group,
+                                 "weight")
+
+
+class _VectorsView:
+    """The alike fc1 layout of the experts, for layers/grouped.py's stacked fold."""
+
+    def __init__(self, holders):
+        self.experts = list(holders)
+        self.groups, self.slots, self.rows = holders[0].groups, holders[0].slots, holders[0].rows
+
+    def __getattr__(self, name):
+        return getattr(self.experts[0], name)
+
+
+class _Expert(torch.nn.Module):
+    """Expert e as a sequential expert looks to its vectors: ``linear_fc1`` (its fc1 vectors in
+    the grouped linear, a reference) and the DNP norms ``gate_norm`` / ``up_norm``."""
+
+    def __init__(self, config, scalevec, fc1_vectors, width, tp_group, allreduce):
+        super().__init__()
+        object.__setattr__(self, "linear_fc1", fc1_vectors)
+        self.gate_norm = self.up_norm = None
+        if not scalevec.dnp:
+            return
+
+        def norm():
+            return ScaleVecNorm(config, width, config.layernorm_epsilon, scalevec=scalevec,
+                                kind="branch",
+                                placement=sharding.placement("ffn_norm", config, tp_group),
+                                expert_allreduce=allreduce)
+
+        self.up_norm = norm()
+        if config.gated_linear_unit:
+            self.gate_norm = norm()
+
+
+def _expert_offsets(sharded_offsets, num_local: int) -> list:
+    """Per local expert: the sharded offsets with the global expert axis, and the replica id's
+    last entry (the expert data-parallel rank), as megatron-core's experts save them."""
+    first = ps.get_expert_model_parallel_rank() * num_local
+    total = ps.get_expert_model_parallel_world_size() * num_local
+    return [(*sharded_offsets, (len(sharded_offsets), first + e, total))
+            for e in range(num_local)], ps.get_expert_data_parallel_rank()
+
+
+def _at_expert_keys(part: dict, local: str, prefix: str, copy: int) -> dict:
+    replace_prefix_for_sharding(part, local, prefix)  # keys as the sequential experts'
+    for sh in part.values():
+        sh.replica_id = (*sh.replica_id[:2], copy)
+    return part
+
+
+def make_grouped_linear_class(base):
+    """``TEColumnParallelGroupedLinear`` subclass folding expert e's vectors into weight{e}."""
+
+    class ScaleVecTEColumnParallelGroupedLinear(base):
+        def __init__(self, num_gemms, input_size, output_size, *, scalevec: ScaleVecConfig,
+                     config, **kwargs):
+            _check(config, scalevec)
+            super().__init__(num_gemms, input_size, output_size, config=config, **kwargs)
+            self.scalevec = scalevec
+            self.vectors_shared = False  # True: the MLP's ExpertSharedVectors (not saved here)
+            self.norms_applied = not scalevec.dnp  # set by ScaleVecTEGroupedMLP
+            group = sharding.tp_group(is_expert=True)
+            self.scale_vectors = torch.nn.ModuleList(
+                _ExpertVectors(scalevec, config, input_size, _out_local(output_size, True),
+                               group, getattr(self, f"weight{e}")) for e in range(num_gemms))
+            self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
+            if self.has_scale_vectors:
+                # TE's fused wgrad accumulation would write main_grad of the folded weight
+                self.fuse_wgrad_accumulation = False
+
+        def forward(self, *args, **kwargs):
+            if not self.norms_applied:
+                raise RuntimeError("DNP on TE grouped experts needs the experts module "
+                                   "ScaleVecTEGroupedMLP (te_grouped_experts_spec): this fc1 "
+                                   "alone would skip the norms")
+            return super().forward(*args, **kwargs)
+
+        def _get_weight_tensors(self):
+            weights = list(super()._get_weight_tensors())
+            if not self.has_scale_vectors:
+                return weights
+            return list(stacked_forward_weight(self, _VectorsView(self.scale_vectors),
+                                               weights).unbind(0))
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """The vectors at their global expert ids, under the sequential experts' keys
+            (TEGroupedMLP maps ``linear_fc1.`` to ``experts.linear_fc1.``)."""
+            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            for key in [k for k in sd if k.startswith(f"{prefix}scale_vectors.")]:
+                del sd[key]
+            if self.vectors_shared:
+                return sd
+            offsets, copy = _expert_offsets(sharded_offsets, len(self.scale_vectors))
+            for e, vectors in enumerate(self.scale_vectors):
+                local, part = f"{prefix}scale_vectors.{e}.", {}
+                for dict_name in ("scale_in", "scale_out"):
+                    for name, vec in getattr(vectors, dict_name).items():
+                        part.update(vec.sharded_state_dict(f"{local}{dict_name}.{name}.",
+                                                           offsets[e], metadata))
+                sd.update(_at_expert_keys(part, local, prefix, copy))
+            return sd
+
+    return ScaleVecTEColumnParallelGroupedLinear
+
+
+def make_grouped_mlp_class(base):
+    """``TEGroupedMLP`` subclass: DNP between the grouped GEMMs, shared expert vectors."""
+
+    class ScaleVecTEGroupedMLP(base):
+        def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None,
+                     *, scalevec: ScaleVecConfig):
+            _check(config, scalevec)
+            width = config.moe_ffn_hidden_size
+            super().__init__(**mcore.accepted_kwargs(
+                base, num_local_experts=num_local_experts, config=config,
+                submodules=submodules, pg_collection=pg_collection, name=name))
+            fc1 = self.linear_fc1
+            if not hasattr(fc1, "scale_vectors"):
+                raise TypeError("ScaleVecTEGroupedMLP needs the scale-vector grouped fc1 "
+                                "(te_grouped_experts_spec)")
+            tp = sharding.group_size(self.tp_group)
+            if scalevec.dnp and width % tp:
+                raise ValueError(f"DNP: moe_ffn_hidden_size {width} does not split over {tp} "
+                                 f"expert-tensor-parallel ranks")
+            self.scalevec = scalevec
+            self.expt_dp_group = getattr(pg_collection, "expt_dp", None) or \
+                ps.get_expert_data_parallel_group()
+            allreduce = getattr(fc1.weight0, "allreduce", True)
+            experts = [_Expert(self.config, scalevec, v, width // tp, self.tp_group, allreduce)
+                       for v in fc1.scale_vectors]
+            object.__setattr__(self, "experts_view", experts)  # not registered
+            self.shared_vectors = shared_expert_vectors(
+                self.config, scalevec, experts, pg_collection, expt_tp=self.tp_group,
+                ep=self.ep_group, weight=fc1.weight0)
+            self.expert_norms = None
+            if self.shared_vectors is not None:
+                fc1.vectors_shared = True
+            elif scalevec.dnp:
+                self.expert_norms = torch.nn.ModuleList(experts)
+            fc1.norms_applied = True
+
+        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                    *args, **kwargs):
+            once = self.shared_vectors.computed_once() if self.shared_vectors is not None \
+                else contextlib.nullcontext()
+            with once:
+                if not self.scalevec.dnp:  # the fold is fc1's: megatron-core's forward
+                    return super().forward(permuted_local_hidden_states, tokens_per_expert,
+                                           permuted_probs, *args, **kwargs)
+                if any(a is not None for a in (*args, *kwargs.values())):
+                    raise NotImplementedError("DNP on TE grouped experts: output / gradient "
+                                              "buffers need TE's fused grouped MLP")
+                return self._dnp_forward(permuted_local_hidden_states, tokens_per_expert,
+                                         permuted_probs)
+
+        def _dnp_forward(self, x, tokens_per_expert, probs):
+            cfg = self.config
+            counts = tokens_per_expert.tolist()
+            probs = probs.unsqueeze(-1)
+            padded = counts
+            skip = getattr(moe_utils, "skip_routed_expert_padding", None)  # 0.19+
+            if (cfg.fp8 or cfg.fp4) and not (skip is not None and skip(cfg)):
+                x, padded = self.quantization_padding(x, counts)
+                probs, _ = self.quantization_padding(probs, counts)
+            if cfg.moe_apply_probs_on_input:
+                if cfg.moe_router_topk != 1:
+                    raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
+                x = (probs * x).to(x.dtype)
+                probs = torch.ones_like(probs)
+            h, _ = self.linear_fc1(x, padded)  # built with skip_bias_add=False: bias added
+            rows = glu.expert_rows(padded, h.device)
+            a_g, a_u = expert_norm_vectors(self.experts_view, cfg)
+            norm = self.experts_view[0].up_norm
+
+            def norm_act(h, a_g, a_u, probs):
+                out = experts_glu_norm(h, a_g, a_u, norm, cfg, rows)
+                return (out * probs).to(out.dtype)
+
+            if self.activation_recompute:  # megatron-core's "moe_act" recompute, as stock
+                from megatron.core import tensor_parallel  # noqa: PLC0415
+
+                self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+                h = self.activation_checkpoint.checkpoint(norm_act, h, a_g, a_u, probs)
+            else:
+                h = norm_act(h, a_g, a_u, probs)
+            out, out_bias = self.linear_fc2(h, padded)
+            if self.activation_recompute:
+                self.activation_checkpoint.discard_output_and_register_recompute(out)
+            out = self._apply_bias(out, out_bias, padded, probs)
+            if padded is not counts:
+                out = self.quantization_unpadding(out, counts)
+            return out, None
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """megatron-core's, plus the DNP norms at global expert ids under the sequential
+            experts' keys, or the shared vectors once per layer."""
+            ours = {n: self._modules.pop(n) for n in ("expert_norms", "shared_vectors")
+                    if n in self._modules}
+            try:
+                sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            finally:
+                self._modules.update(ours)
+            if self.shared_vectors is not None:
+                sd.update(self.shared_vectors.sharded_state_dict(
+                    f"{prefix}shared_vectors.", sharded_offsets, metadata, self.ep_group,
+                    self.expt_dp_group))
+            if self.expert_norms is None:
+                return sd
+            offsets, copy = _expert_offsets(sharded_offsets, self.num_local_experts)
+            for e, expert in enumerate(self.expert_norms):
+                local, part = f"{prefix}expert_norms.{e}.", {}
+                for name in ("gate_norm", "up_norm"):
+                    if getattr(expert, name) is not None:
+                        part.update(getattr(expert, name).sharded_state_dict(
+                            f"{local}{name}.", offsets[e], metadata))
+                sd.update(_at_expert_keys(part, local, f"{prefix}experts.", copy))
+            return sd
+
+    return ScaleVecTEGroupedMLP
+
+
+def te_grouped_modules() -> dict:
+    """{'grouped_column', 'grouped_row', 'grouped_mlp'}: ours over megatron-core's (built
+    once); a clear error without TE."""
+    te_modules()  # the one "needs Transformer Engine" error
+    if not _CACHE:
+        base = megatron_te_bases()
+        _CACHE.update(grouped_column=make_grouped_linear_class(
+            base["TEColumnParallelGroupedLinear"]), grouped_row=base["TERowParallelGroupedLinear"],
+            grouped_mlp=make_grouped_mlp_class(base["TEGroupedMLP"]))
+    return _CACHE
+
+
+def te_grouped_experts_spec(cfg: ScaleVecConfig):
+    """Our TEGroupedMLP with the folded grouped fc1 and TE's grouped fc2 (a ModuleSpec)."""
+    from megatron.core.transformer.mlp import MLPSubmodules  # noqa: PLC0415
+    from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: PLC0415
+
+    parts = te_grouped_modules()
+    fc1 = ModuleSpec(module=parts["grouped_column"], params={"scalevec": cfg})
+    return ModuleSpec(module=parts["grouped_mlp"], params={"scalevec": cfg},
+                      submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["grouped_row"]))

@@ -1,0 +1,285 @@
+"""Every strategy on Transformer Engine grouped experts (layers/te_grouped.py), run through TE's
+own autograd functions on CPU (testing/te_stub.py, testing/te_ops.py: the grouped GEMM, GEMM and
+norm kernels in torch, fp32), against our sequential experts: same loss and every gradient
+(relative to each tensor's scale), in one process for every strategy, per-expert and shared
+expert vectors, and at EP2, expert TP2 + SP and with the alltoall dispatcher; checkpoints move
+between TE grouped, local grouped and sequential experts.
+"""
+
+import contextlib
+import os
+import re
+
+import pytest
+import torch
+from test_te_spec import _as_local_keys, _local_name, _start, needs_te
+
+from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_ops, te_stub
+from megatron_scalevec.testing import models as M
+
+EXPERTS = 4
+REL = 1e-5
+
+
+def _strategy(name, expert_vectors="per_expert"):
+    from megatron_scalevec.config import ScaleVecConfig
+
+    return ScaleVecConfig.from_string(name, expert_vectors=expert_vectors)
+
+
+def _config(te: bool, grouped: bool, **overrides):
+    from megatron.core import parallel_state as ps
+
+    kw = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=24,
+              moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
+              moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+              moe_grouped_gemm=grouped,
+              expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+              expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+              transformer_impl="transformer_engine" if te else "local")
+    kw.update(overrides)
+    return M.tiny_config(**kw)
+
+
+def _te_experts(model) -> int:
+    """How many MoE layers run our TE grouped experts (each must)."""
+    from megatron_scalevec.layers.te_grouped import te_grouped_modules
+
+    cls = te_grouped_modules()["grouped_mlp"]
+    kinds = [isinstance(m, cls) for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert kinds and all(kinds), kinds
+    return len(kinds)
+
+
+def _load_local(model, directory: str) -> None:
+    """A local (sequential experts) checkpoint into a TE model: only TE's FP8 metadata
+    (``_extra_state``) is left unloaded."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(_as_local_keys(model.sharded_state_dict()), directory)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    assert not missing and not unexpected, (missing, unexpected)
+
+
+# ---------------------------------------------------------------- one process, every strategy
+def _every_strategy(rank, world, cases, tmp, te_overrides=None, **overrides):
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    _start()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    batch = M.batches(1, 2)[0]
+    out = {}
+    for strategy, expert_vectors in cases:
+        cfg = _strategy(strategy, expert_vectors)
+        local = M.build_gpt(_config(False, False, **overrides), cfg)
+        M.perturb_vectors(local)
+        where = os.path.join(tmp, f"{strategy}-{expert_vectors}")
+        M.save_model(local, where)
+        with te_stub.cuda_claimed():
+            model = M.build_gpt(_config(True, True, **{**overrides, **(te_overrides or {})}),
+                                cfg)
+        _te_experts(model)
+        _load_local(model, where)
+        te_ops.CALLS.clear()
+        results = []
+        for m in (local, model):
+            with te_stub.cuda_claimed() if m is model else contextlib.nullcontext():
+                logits = m(batch["tokens"], batch["position_ids"], None)
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+                loss.backward()
+            results.append((float(loss), {n: p.grad for n, p in m.named_parameters()
+                                          if p.grad is not None}))
+        (l0, g0), (l1, g1) = results
+        g1 = {_local_name(n): g for n, g in g1.items()}
+        rel = M.relative_differences({n: g for n, g in g0.items() if n in g1}, g1)
+        worst = max(rel, key=rel.get)
+        expert_vec = [n for n in g1 if ".experts." in n and ("scale_" in n or "_norm" in n)]
+        out[(strategy, expert_vectors)] = dict(
+            loss=abs(l0 - l1) / abs(l0), grad=rel[worst], worst=worst,
+            only_one=sorted(set(g0) ^ set(g1)), n_grads=len(g1), expert_vec=len(expert_vec),
+            grouped_gemms=te_ops.CALLS.get("te_general_grouped_gemm", 0),
+            recomputed=[getattr(m, "activation_checkpoint", None) is not None
+                        for n, m in model.named_modules() if n.endswith("mlp.experts")])
+    return out
+
+
+CASES = [("unified", "per_expert"), ("hg+dnp", "per_expert"), ("hg+dnp+or", "per_expert"),
+         ("hg+dp+er", "per_expert"), ("hg+dp", "per_expert"), ("hg+or", "per_expert"),
+         ("hg", "per_expert"), ("shared", "per_expert"), ("none", "per_expert"),
+         ("unified", "shared"), ("hg+dp+er", "shared"), ("hg+dnp", "shared")]
+
+
+@needs_te
+def test_te_grouped_equals_sequential_every_strategy(tmp_path):
+    res = run_on_ranks(_every_strategy, 1, CASES, str(tmp_path),
+                       moe_shared_expert_intermediate_size=40)[0]
+    for case, r in res.items():
+        assert not r["only_one"], (case, r["only_one"][:5])
+        assert r["loss"] < REL and r["grad"] < 1e-4, (case, r)
+        assert r["n_grads"] >= 15 and r["grouped_gemms"] >= 4, (case, r)  # TE grouped GEMMs ran
+    # gamma_g, gamma_u, a_g, a_u, each an OR direction and magnitude: per expert, or once
+    assert res[("unified", "per_expert")]["expert_vec"] == 8 * EXPERTS
+    assert res[("unified", "shared")]["expert_vec"] == 8
+    assert res[("shared", "per_expert")]["expert_vec"] == 0
+
+
+@needs_te
+def test_te_grouped_layernorm_recompute_and_probs_on_input(tmp_path):
+    """LayerNorm statistics; megatron-core's ``moe_act`` recompute around the DNP GLU norm;
+    top-1 routing with the probabilities applied to the input."""
+    recompute = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
+    res = run_on_ranks(_every_strategy, 1, [("hg+dnp+or", "per_expert")], str(tmp_path),
+                       recompute, normalization="LayerNorm")[0]
+    r = res[("hg+dnp+or", "per_expert")]
+    assert r["loss"] < REL and r["grad"] < 1e-4 and not r["only_one"], r
+    assert r["recomputed"] == [True], r  # the GLU norm ran under CheckpointWithoutOutput
+    res = run_on_ranks(_every_strategy, 1, [("unified", "per_expert")], str(tmp_path),
+                       moe_router_topk=1, moe_router_pre_softmax=True,
+                       moe_apply_probs_on_input=True)[0]
+    r = res[("unified", "per_expert")]
+    assert r["loss"] < REL and r["grad"] < 1e-4 and not r["only_one"], r
+
+
+# ---------------------------------------------------------------- layouts
+def _layout(rank, world, te, strategy, expert_vectors, *, tp=1, ep=1, etp=None, sp=False,
+            dispatcher="allgather", ref_dir=None, load_dir=None, out_dir=None):
+    if te:
+        te_stub.activate()
+    init_model_parallel(tp=tp, ep=ep, etp=etp)
+    config = _config(te, te, sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
+    cfg = _strategy(strategy, expert_vectors)
+    if not te:  # the reference: sequential experts, one process
+        return M.run_case(config, cfg, ref_dir=ref_dir, out_dir=out_dir)["losses"]
+    with te_stub.cuda_claimed():
+        model = M.build_gpt(config, cfg)
+        _te_experts(model)
+        _load_local(model, load_dir)
+        ddp = M.wrap_ddp(model, config)
+        losses = M.train_steps(ddp, config, M.batches(4, 2), 1)
+        M.save_grads(model, out_dir)
+    return losses
+
+
+def _rel_diffs(rank, world, a_dir, b_dir):
+    a, b = M.plain_tensors(a_dir), M.plain_tensors(b_dir)
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:10]
+    return M.relative_differences(a, b)
+
+
+LAYOUTS = {
+    "ep1": dict(world=1),
+    "ep2": dict(world=2, ep=2),
+    "ep2_alltoall": dict(world=2, ep=2, dispatcher="alltoall"),
+    "tp2_sp_etp2": dict(world=2, tp=2, sp=True, etp=2),
+    "tp2_sp_etp2_alltoall": dict(world=2, tp=2, sp=True, etp=2, dispatcher="alltoall"),
+    "tp2_sp_ep2_etp1": dict(world=2, tp=2, sp=True, ep=2, etp=1),
+}
+RUNS = [("unified", "per_expert", k) for k in LAYOUTS] + \
+    [("unified", "shared", k) for k in ("ep2", "tp2_sp_etp2", "tp2_sp_ep2_etp1")]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The sequential model's weights and gradients at one process, per expert-vector kind."""
+    root, refs = tmp_path_factory.mktemp("te_grouped_ref"), {}
+    for kind in ("per_expert", "shared"):
+        ref, grads = str(root / kind / "weights"), str(root / kind / "grads")
+        losses = run_on_ranks(_layout, 1, False, "unified", kind, ref_dir=ref,
+                              out_dir=grads)[0]
+        refs[kind] = ref, grads, losses
+    return refs
+
+
+@needs_te
+@pytest.mark.parametrize("strategy,expert_vectors,layout", RUNS)
+def test_te_grouped_matches_sequential_across_layouts(references, tmp_path, strategy,
+                                                      expert_vectors, layout):
+    ref, ref_grads, ref_losses = references[expert_vectors]
+    opts = dict(LAYOUTS[layout])
+    world = opts.pop("world")
+    out = str(tmp_path / "grads")
+    losses = run_on_ranks(_layout, world, True, strategy, expert_vectors, load_dir=ref,
+                          out_dir=out, **opts)
+    assert abs(losses[0][0] - ref_losses[0]) < REL * abs(ref_losses[0]), (losses, ref_losses)
+    diffs = run_on_ranks(_rel_diffs, 1, ref_grads, out)[0]
+    worst = max(diffs, key=diffs.get)
+    vec = "shared_vectors" if expert_vectors == "shared" else "experts.experts"
+    assert any(re.search(rf"{vec}\.(linear_fc1\.)?scale_in", k) for k in diffs), sorted(diffs)
+    assert any(re.search(rf"{vec}\.gate_norm", k) for k in diffs), sorted(diffs)
+    assert diffs[worst] < 1e-4, f"{layout}: grad of {worst} differs by {diffs[worst]:.2e} (rel)"
+
+
+# ---------------------------------------------------------------- checkpoint interchange
+KINDS = {"te": (True, True), "grouped": (False, True), "sequential": (False, False)}
+
+
+def _save_or_load(rank, world, kind, expert_vectors, *, ep, save_dir=None, load_dir=None):
+    te, grouped = KINDS[kind]
+    if te:
+        te_stub.activate()
+    init_model_parallel(ep=ep)
+    claimed = te_stub.cuda_claimed() if te else contextlib.nullcontext()
+    with claimed:
+        model = M.build_gpt(_config(te, grouped, moe_layer_freq=1),
+                            _strategy("unified", expert_vectors))
+        if load_dir is None:
+            M.perturb_vectors(model)
+            with torch.no_grad():
+                for name, p in model.named_parameters():  # distinct experts per EP rank
+                    if re.search(r"experts\.(local_experts|linear_fc|expert_norms)", name):
+                        p.add_(0.01 * (1 + torch.distributed.get_rank()))
+            M.save_model(model, save_dir)
+        elif te:
+            _load_local(model, load_dir)
+        else:
+            M.load_model(model, load_dir)
+        model.eval()
+        with torch.no_grad():
+            b = M.batches(1, 2, seed=11)[0]
+            return float(model(b["tokens"], b["position_ids"], None,
+                               labels=b["labels"]).float().mean())
+
+
+MOVES = [("te", "sequential", "per_expert"), ("te", "grouped", "per_expert"),
+         ("sequential", "te", "per_expert"), ("grouped", "te", "per_expert"),
+         ("te", "sequential", "shared"), ("grouped", "te", "shared")]
+
+
+@needs_te
+@pytest.mark.parametrize("saved,loaded,expert_vectors", MOVES)
+def test_checkpoint_moves_between_te_grouped_and_other_experts(tmp_path, saved, loaded,
+                                                               expert_vectors):
+    where = str(tmp_path / "ckpt")
+    at_ep2 = run_on_ranks(_save_or_load, 2, saved, expert_vectors, ep=2, save_dir=where)
+    at_ep1 = run_on_ranks(_save_or_load, 1, loaded, expert_vectors, ep=1, load_dir=where)[0]
+    assert at_ep1 == pytest.approx(at_ep2[0], rel=1e-6)
+
+
+# ---------------------------------------------------------------- refusals
+def _refused(rank, world, overrides):
+    _start()
+    try:
+        with te_stub.cuda_claimed():
+            M.build_gpt(_config(True, True, **overrides), _strategy("unified"))
+    except (NotImplementedError, ValueError) as err:
+        return str(err)
+    return None
+
+
+@needs_te
+@pytest.mark.parametrize("overrides,names", [
+    (dict(activation_func_clamp_value=7.0), "config.activation_func_clamp_value"),
+    (dict(glu_linear_offset=1.0), "config.glu_linear_offset"),
+    (dict(fine_grained_activation_offloading=True, offload_modules=["moe_act"]),
+     "config.offload_modules"),
+])
+def test_te_grouped_refusals_are_one_line(overrides, names):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not all(hasattr(TransformerConfig, k) or k in TransformerConfig.__dataclass_fields__
+               for k in overrides):
+        pytest.skip("not a field of this megatron-core")
+    msg = run_on_ranks(_refused, 1, overrides)[0]
+    assert msg and names in msg and "\n" not in msg, msg
