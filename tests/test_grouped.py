@@ -7,6 +7,9 @@ Layout runs reuse test_moe's harness: the sequential model at one process is the
 checkpoint at each layout, so checkpoint interchange is exercised by every layout test.
 """
 
+import contextlib
+import re
+
 import pytest
 import torch
 
@@ -168,30 +171,45 @@ def test_grouped_matches_sequential_across_layouts(sequential_reference, tmp_pat
 
 
 # ---------------------------------------------------------------- checkpoint interchange
-def _save_or_load(rank, world, grouped, *, ep, save_dir=None, load_dir=None):
+KINDS = {"sequential": (False, False), "grouped": (False, True), "te": (True, True)}
+
+
+def _save_or_load(rank, world, kind, expert_vectors="per_expert", *, ep, save_dir=None,
+                  load_dir=None):
+    """Build ``kind`` experts (``te``: TE grouped, tests/test_te_grouped.py) at EP ``ep``; save
+    with distinct experts per EP rank, or load; return the eval loss."""
+    from megatron_scalevec.testing import te_stub
+
+    te, grouped = KINDS[kind]
+    if te:
+        te_stub.activate()
     init_model_parallel(ep=ep)
-    model = M.build_gpt(moe_config(grouped, moe_layer_freq=1), _strategy("unified"))
-    if load_dir is None:
-        M.perturb_vectors(model)
+    overrides = dict(transformer_impl="transformer_engine") if te else {}
+    with te_stub.cuda_claimed() if te else contextlib.nullcontext():
+        model = M.build_gpt(moe_config(grouped, moe_layer_freq=1, **overrides),
+                            _strategy("unified", expert_vectors))
+        if load_dir is None:
+            M.perturb_vectors(model)
+            with torch.no_grad():
+                for name, p in model.named_parameters():  # distinct experts per EP rank
+                    if re.search(r"experts\.(local_experts|linear_fc|expert_norms)", name):
+                        p.add_(0.01 * (1 + torch.distributed.get_rank()))
+            M.save_model(model, save_dir)
+        else:
+            M.load_model(model, load_dir, te_extra_state=te)
+        model.eval()
         with torch.no_grad():
-            for name, p in model.named_parameters():  # distinct experts per EP rank
-                if "local_experts" in name:
-                    p.add_(0.01 * (1 + torch.distributed.get_rank()))
-        M.save_model(model, save_dir)
-    else:
-        M.load_model(model, load_dir)
-    model.eval()
-    with torch.no_grad():
-        b = M.batches(1, 2, seed=11)[0]
-        return float(model(b["tokens"], b["position_ids"], None,
-                           labels=b["labels"]).float().mean())
+            b = M.batches(1, 2, seed=11)[0]
+            return float(model(b["tokens"], b["position_ids"], None,
+                               labels=b["labels"]).float().mean())
 
 
 @pytest.mark.parametrize("save_grouped", [True, False], ids=["grouped_to_seq", "seq_to_grouped"])
 def test_checkpoint_moves_between_grouped_and_sequential(tmp_path, save_grouped):
     saved = str(tmp_path / "ckpt")
-    at_ep2 = run_on_ranks(_save_or_load, 2, save_grouped, ep=2, save_dir=saved)
-    at_ep1 = run_on_ranks(_save_or_load, 1, not save_grouped, ep=1, load_dir=saved)[0]
+    kinds = ("grouped", "sequential") if save_grouped else ("sequential", "grouped")
+    at_ep2 = run_on_ranks(_save_or_load, 2, kinds[0], ep=2, save_dir=saved)
+    at_ep1 = run_on_ranks(_save_or_load, 1, kinds[1], ep=1, load_dir=saved)[0]
     assert at_ep1 == pytest.approx(at_ep2[0], rel=1e-6)
 
 

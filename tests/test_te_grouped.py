@@ -6,13 +6,14 @@ expert vectors, and at EP2, expert TP2 + SP and with the alltoall dispatcher; ch
 between TE grouped, local grouped and sequential experts.
 """
 
-import contextlib
 import os
 import re
 
 import pytest
 import torch
-from test_te_spec import _as_local_keys, _local_name, _start, needs_te
+from test_grouped import LAYOUTS as GROUPED_LAYOUTS
+from test_grouped import _rel_diffs, _save_or_load
+from test_te_spec import _start, compare_with_local, needs_te
 
 from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_ops, te_stub
 from megatron_scalevec.testing import models as M
@@ -51,17 +52,6 @@ def _te_experts(model) -> int:
     return len(kinds)
 
 
-def _load_local(model, directory: str) -> None:
-    """A local (sequential experts) checkpoint into a TE model: only TE's FP8 metadata
-    (``_extra_state``) is left unloaded."""
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load(_as_local_keys(model.sharded_state_dict()), directory)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    assert not missing and not unexpected, (missing, unexpected)
-
-
 # ---------------------------------------------------------------- one process, every strategy
 def _every_strategy(rank, world, cases, tmp, te_overrides=None, **overrides):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -80,25 +70,14 @@ def _every_strategy(rank, world, cases, tmp, te_overrides=None, **overrides):
             model = M.build_gpt(_config(True, True, **{**overrides, **(te_overrides or {})}),
                                 cfg)
         _te_experts(model)
-        _load_local(model, where)
+        M.load_model(model, where, te_extra_state=True)
         te_ops.CALLS.clear()
-        results = []
-        for m in (local, model):
-            with te_stub.cuda_claimed() if m is model else contextlib.nullcontext():
-                logits = m(batch["tokens"], batch["position_ids"], None)
-                loss = torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
-                loss.backward()
-            results.append((float(loss), {n: p.grad for n, p in m.named_parameters()
-                                          if p.grad is not None}))
-        (l0, g0), (l1, g1) = results
-        g1 = {_local_name(n): g for n, g in g1.items()}
-        rel = M.relative_differences({n: g for n, g in g0.items() if n in g1}, g1)
-        worst = max(rel, key=rel.get)
-        expert_vec = [n for n in g1 if ".experts." in n and ("scale_" in n or "_norm" in n)]
+        r = compare_with_local(local, model, batch)
+        worst = max(r["rel"], key=r["rel"].get)
+        expert_vec = [n for n in r["names"] if ".experts." in n and ("scale_" in n or "_norm" in n)]
         out[(strategy, expert_vectors)] = dict(
-            loss=abs(l0 - l1) / abs(l0), grad=rel[worst], worst=worst,
-            only_one=sorted(set(g0) ^ set(g1)), n_grads=len(g1), expert_vec=len(expert_vec),
+            loss=r["dloss"] / r["loss"], grad=r["rel"][worst], worst=worst,
+            only_one=r["only_one"], n_grads=len(r["names"]), expert_vec=len(expert_vec),
             grouped_gemms=te_ops.CALLS.get("te_general_grouped_gemm", 0),
             recomputed=[getattr(m, "activation_checkpoint", None) is not None
                         for n, m in model.named_modules() if n.endswith("mlp.experts")])
@@ -155,27 +134,14 @@ def _layout(rank, world, te, strategy, expert_vectors, *, tp=1, ep=1, etp=None, 
     with te_stub.cuda_claimed():
         model = M.build_gpt(config, cfg)
         _te_experts(model)
-        _load_local(model, load_dir)
+        M.load_model(model, load_dir, te_extra_state=True)
         ddp = M.wrap_ddp(model, config)
         losses = M.train_steps(ddp, config, M.batches(4, 2), 1)
         M.save_grads(model, out_dir)
     return losses
 
 
-def _rel_diffs(rank, world, a_dir, b_dir):
-    a, b = M.plain_tensors(a_dir), M.plain_tensors(b_dir)
-    assert set(a) == set(b), sorted(set(a) ^ set(b))[:10]
-    return M.relative_differences(a, b)
-
-
-LAYOUTS = {
-    "ep1": dict(world=1),
-    "ep2": dict(world=2, ep=2),
-    "ep2_alltoall": dict(world=2, ep=2, dispatcher="alltoall"),
-    "tp2_sp_etp2": dict(world=2, tp=2, sp=True, etp=2),
-    "tp2_sp_etp2_alltoall": dict(world=2, tp=2, sp=True, etp=2, dispatcher="alltoall"),
-    "tp2_sp_ep2_etp1": dict(world=2, tp=2, sp=True, ep=2, etp=1),
-}
+LAYOUTS = {**GROUPED_LAYOUTS, "tp2_sp_ep2_etp1": dict(world=2, tp=2, sp=True, ep=2, etp=1)}
 RUNS = [("unified", "per_expert", k) for k in LAYOUTS] + \
     [("unified", "shared", k) for k in ("ep2", "tp2_sp_etp2", "tp2_sp_ep2_etp1")]
 
@@ -212,36 +178,6 @@ def test_te_grouped_matches_sequential_across_layouts(references, tmp_path, stra
 
 
 # ---------------------------------------------------------------- checkpoint interchange
-KINDS = {"te": (True, True), "grouped": (False, True), "sequential": (False, False)}
-
-
-def _save_or_load(rank, world, kind, expert_vectors, *, ep, save_dir=None, load_dir=None):
-    te, grouped = KINDS[kind]
-    if te:
-        te_stub.activate()
-    init_model_parallel(ep=ep)
-    claimed = te_stub.cuda_claimed() if te else contextlib.nullcontext()
-    with claimed:
-        model = M.build_gpt(_config(te, grouped, moe_layer_freq=1),
-                            _strategy("unified", expert_vectors))
-        if load_dir is None:
-            M.perturb_vectors(model)
-            with torch.no_grad():
-                for name, p in model.named_parameters():  # distinct experts per EP rank
-                    if re.search(r"experts\.(local_experts|linear_fc|expert_norms)", name):
-                        p.add_(0.01 * (1 + torch.distributed.get_rank()))
-            M.save_model(model, save_dir)
-        elif te:
-            _load_local(model, load_dir)
-        else:
-            M.load_model(model, load_dir)
-        model.eval()
-        with torch.no_grad():
-            b = M.batches(1, 2, seed=11)[0]
-            return float(model(b["tokens"], b["position_ids"], None,
-                               labels=b["labels"]).float().mean())
-
-
 MOVES = [("te", "sequential", "per_expert"), ("te", "grouped", "per_expert"),
          ("sequential", "te", "per_expert"), ("grouped", "te", "per_expert"),
          ("te", "sequential", "shared"), ("grouped", "te", "shared")]

@@ -130,22 +130,8 @@ def test_shared_has_the_stock_te_spec_keys(experts, grouped, tp):
 
 
 # ---------------------------------------------------------------- fold, gradients, checkpoints
-_FUSED = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
-          ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
-
-
-def _as_local_keys(sharded: dict) -> dict:
-    """The TE model's sharded tensors under the local spec's checkpoint keys (``shared``'s fused
-    Pre-Norm gammas are the local spec's input / pre-MLP norms); the rest is key for key."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    # TE's _extra_state (FP8 metadata) objects have no local counterpart
-    sharded = {k: v for k, v in sharded.items() if not isinstance(v, ShardedObject)}
-    for sh in sharded.values():
-        for te_part, local_part in _FUSED.items():
-            if hasattr(sh, "key") and te_part in sh.key:
-                sh.key = sh.key.replace(te_part, local_part)
-    return sharded
+_FUSED = M.TE_FUSED_NORMS
+_as_local_keys = M.te_as_local_keys
 
 
 def _local_counterpart(name: str, local, e=None):
@@ -365,21 +351,29 @@ def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp):
     model.load_state_dict(state, strict=False)
     from megatron_scalevec.testing import te_ops
 
-    b = M.batches(1, 2)[0]
-    out = []
     te_ops.CALLS.clear()
+    r = compare_with_local(local, model, M.batches(1, 2)[0])
+    return dict(dloss=r["dloss"], loss=r["loss"], same=r["only_one"], calls=dict(te_ops.CALLS),
+                worst=max(r["rel"].values()), worst_name=max(r["rel"], key=r["rel"].get))
+
+
+def compare_with_local(local, model, batch) -> dict:
+    """One forward-backward of the ``local`` model and of the TE ``model`` (TE's own autograd,
+    te_ops' kernels) on ``batch``: the loss difference, the gradients only one has, and each
+    gradient's relative difference (M.relative_differences), by the local names."""
+    out = []
     for m in (local, model):
         with te_stub.cuda_claimed() if m is model else contextlib.nullcontext():
-            loss = m(b["tokens"], b["position_ids"], None, labels=b["labels"]).float().mean()
+            loss = m(batch["tokens"], batch["position_ids"], None,
+                     labels=batch["labels"]).float().mean()
             loss.backward()
         out.append((float(loss), {n: p.grad for n, p in m.named_parameters()
                                   if p.grad is not None}))
     (l0, g0), (l1, g1) = out
     g1 = {_local_name(n): g for n, g in g1.items()}
-    rel = M.relative_differences({n: g for n, g in g0.items() if n in g1}, g1)
-    return dict(dloss=abs(l0 - l1), loss=l0, same=sorted(set(g0) ^ set(g1)),
-                calls=dict(te_ops.CALLS),
-                worst=max(rel.values()), worst_name=max(rel, key=rel.get))
+    return dict(dloss=abs(l0 - l1), loss=l0, only_one=sorted(set(g0) ^ set(g1)),
+                rel=M.relative_differences({n: g for n, g in g0.items() if n in g1}, g1),
+                names=sorted(g1))
 
 
 RUN_CASES = [("shared", 0, False), ("unified", 0, False), ("hg+dp+er", 4, False),

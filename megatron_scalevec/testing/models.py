@@ -271,14 +271,43 @@ def _sharded(model):
     return model.sharded_state_dict()
 
 
+# a TE model's fused Pre-Norm gammas (``shared``) -> the local spec's norms
+TE_FUSED_NORMS = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
+                  ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
+
+
+def te_as_local_keys(sharded: dict) -> dict:
+    """A TE model's sharded tensors under the local spec's checkpoint keys (``shared``'s fused
+    Pre-Norm gammas are the local spec's input / pre-MLP norms; the rest is key for key),
+    without TE's ``_extra_state`` (FP8 metadata) objects, which have no local counterpart."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: PLC0415
+
+    sharded = {k: v for k, v in sharded.items() if not isinstance(v, ShardedObject)}
+    for sh in sharded.values():
+        for te_part, local_part in TE_FUSED_NORMS.items():
+            if hasattr(sh, "key") and te_part in sh.key:
+                sh.key = sh.key.replace(te_part, local_part)
+    return sharded
+
+
 def save_model(model, directory: str) -> None:
     """``model``: one model or a list of chunks (:func:`build_gpt_chunks`)."""
     os.makedirs(directory, exist_ok=True)
     dist_checkpointing.save(_sharded(model), directory)
 
 
-def load_model(model, directory: str) -> None:
-    """``model``: one model or a list of chunks (:func:`build_gpt_chunks`)."""
+def load_model(model, directory: str, te_extra_state: bool = False) -> None:
+    """``model``: one model or a list of chunks (:func:`build_gpt_chunks`).
+    ``te_extra_state``: a Transformer Engine model from a local model's checkpoint
+    (:func:`te_as_local_keys`): only TE's FP8 metadata (``_extra_state``) is left unloaded."""
+    if te_extra_state:
+        sharded = te_as_local_keys(model.sharded_state_dict())
+        missing, unexpected = model.load_state_dict(
+            dist_checkpointing.load(sharded, directory), strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise AssertionError(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return
     state = dist_checkpointing.load(_sharded(model), directory)
     if isinstance(model, list):
         for i, m in enumerate(model):
