@@ -121,6 +121,37 @@ def test_te_grouped_layernorm_recompute_and_probs_on_input(tmp_path):
     assert r["loss"] < REL and r["grad"] < 1e-4 and not r["only_one"], r
 
 
+# ---------------------------------------------------------------- memory
+def _saved_bytes(rank, world):
+    from benchmarks.overhead import saved_activation_bytes
+
+    _start()
+    out = {}
+    x, probs = torch.randn(40, 32), torch.rand(40)
+    tokens_per_expert = torch.tensor([10, 6, 14, 10])
+    for strategy in ("shared", "hg+dp", "unified"):
+        with te_stub.cuda_claimed():
+            model = M.build_gpt(_config(True, True, moe_layer_freq=1, moe_ffn_hidden_size=64),
+                                _strategy(strategy))
+            experts = model.decoder.layers[0].mlp.experts
+            out[strategy] = saved_activation_bytes(
+                lambda e=experts: e(x, tokens_per_expert, probs))
+    return out
+
+
+@needs_te
+def test_te_grouped_dnp_keeps_no_more_than_the_stock_glu():
+    """Bytes autograd saves in the experts' forward (40 rows, hidden 32, FFN 64, 4 experts).
+    The DNP GLU norm keeps fc1's output and two statistics per row: no more than megatron-core's
+    GLU under the same fold (hg+dp). The fold itself: TE keeps the folded fc1 weights it
+    multiplied, for its dgrad (4 x 128 x 32 fp32 = 64 KiB here; FP8 keeps its quantized copy
+    either way)."""
+    saved = run_on_ranks(_saved_bytes, 1)[0]
+    assert saved["unified"] <= saved["hg+dp"], saved
+    folded = 4 * 128 * 32 * 4
+    assert folded <= saved["hg+dp"] - saved["shared"] <= folded + 8192, saved
+
+
 # ---------------------------------------------------------------- layouts
 def _layout(rank, world, te, strategy, expert_vectors, *, tp=1, ep=1, etp=None, sp=False,
             dispatcher="allgather", ref_dir=None, load_dir=None, out_dir=None):
