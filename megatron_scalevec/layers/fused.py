@@ -179,7 +179,7 @@ def rope_cos_sin(freqs: torch.Tensor, mscale: float, dtype):
 def head_norm(x, a: Optional[torch.Tensor], eps: float, normalization: str, rope=None,
               interleaved: bool = False):
     """``[R](a * N_head(x))`` over the last dim; ``rope`` = (cos, sin) from rope_cos_sin."""
-    layer = _layer_norm(normalization)
+    layer = ops.is_layer_norm(normalization)
     cos, sin = rope if rope is not None else (None, None)
     if use_reference():
         y = _norm_reference(x, layer, eps, None, x.shape[-1])
@@ -252,7 +252,7 @@ def qkv_norm(mixed, vectors, eps: float, normalization: str, qpg: int, rope_q=No
     hd]``, k, v ``[s, b, groups, hd]``, each ``[R](a * N_head(.))`` (``vectors`` = (a_q, a_k,
     a_v)): one function for the three, with no split copy, as head_norm keeps only its
     outputs and per-row 1/rms."""
-    layer = _layer_norm(normalization)
+    layer = ops.is_layer_norm(normalization)
     if use_reference():
         q, k, v = (t.flatten(-3, -2) for t in _slots(mixed, qpg))
         return (head_norm(q, vectors[0], eps, normalization, rope_q, interleaved),
@@ -262,9 +262,6 @@ def qkv_norm(mixed, vectors, eps: float, normalization: str, qpg: int, rope_q=No
 
 
 # ---------------------------------------------------------------- shared helpers
-
-_layer_norm = ops.is_layer_norm
-
 
 def _norm_reference(x, layer: bool, eps: float, group, n: int):
     """The autograd composite N(x) the fused functions replace (float32, norms.normalize)."""

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from megatron_scalevec import ops, sharding
 from megatron_scalevec.layers.fused import (
     _kernel,
-    _layer_norm,
     _norm_reference,
     use_reference,
 )
@@ -95,15 +94,12 @@ def _glu_stats(z, gated, layer, eps, group, n):
     return ops.row_stats(parts, layer, eps, n, lambda t: sharding.all_reduce_sum(t, group))
 
 
-_xhat = ops.scale_free  # N(part i) from its statistics
-
-
 def _glu_fwd(z, mean, rstd, a_g, a_u, act, gated: bool):
     gate, up = _parts(z, gated)
-    nu = _xhat(up, mean, rstd, 1 if gated else 0) * a_u
+    nu = ops.scale_free(up, mean, rstd, 1 if gated else 0) * a_u
     if not gated:
         return act(nu).to(z.dtype)
-    ng = _xhat(gate, mean, rstd, 0) * a_g
+    ng = ops.scale_free(gate, mean, rstd, 0) * a_g
     return (act(ng) * nu).to(z.dtype)
 
 
@@ -129,10 +125,10 @@ def _glu_bwd(dh, z, mean, rstd, a_g, a_u, act, gated: bool, dots, spans=None):
     gate, up = _parts(z, gated)
     dh = dh.float()
     iu = 1 if gated else 0
-    uh = _xhat(up, mean, rstd, iu)
+    uh = ops.scale_free(up, mean, rstd, iu)
     nu = uh * a_u
     if gated:
-        gh = _xhat(gate, mean, rstd, 0)
+        gh = ops.scale_free(gate, mean, rstd, 0)
         ng = gh * a_g
         pair = _act_and_grad(act, ng) or _act_eager(act, ng)
         dng, dnu = dh * nu * pair[1], dh * pair[0]
@@ -260,7 +256,7 @@ def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, g
     local output, ``[gate, up]`` halves; N over ``width`` (the logical FFN width). With
     ``experts`` (grouped experts: the rows of each expert, :func:`expert_rows`) ``a_g``,
     ``a_u`` are [E, f], one vector per expert."""
-    layer = _layer_norm(normalization)
+    layer = ops.is_layer_norm(normalization)
     n = width or _width(z, gated) * sharding.group_size(group)
     ids, spans, keys = experts if experts is not None else (None, None, None)
     if use_reference():

@@ -30,7 +30,7 @@ from megatron_scalevec.layers import fused, glu
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import stacked
 
-__all__ = ["ScaleVecGroupedMLP", "expert_norm_vectors", "experts_glu_norm",
+__all__ = ["Fc1View", "ScaleVecGroupedMLP", "expert_norm_vectors", "experts_glu_norm",
            "grouped_mm_available", "grouped_linear", "stacked_fold",
            "stacked_fold_backward", "stacked_forward_weight", "stacked_gamma"]
 
@@ -149,11 +149,9 @@ class _StackedFold(torch.autograd.Function):
         return (dcol, drow, None, *dw)
 
 
-def stacked_forward_weight(module, fc1, weights) -> torch.Tensor:
-    """[E, out, in] folded fc1 weights of the experts ``fc1`` (a view with ``experts``,
-    ``groups``, ``slots``, ``rows``), with autograd; only the vectors are kept for backward
-    (:class:`_StackedFold`). ``module``: the caller (unused; the TE grouped linear passes
-    itself)."""
+def stacked_forward_weight(fc1: Fc1View, weights) -> torch.Tensor:
+    """[E, out, in] folded fc1 weights of the experts ``fc1``, with autograd; only the
+    vectors are kept for backward (:class:`_StackedFold`)."""
     col = _slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1])
     row = _slot_stack(fc1, lambda m: m.scale_out, fc1.rows)
     return _StackedFold.apply(col, row, fc1.groups, *weights)
@@ -176,11 +174,12 @@ def experts_glu_norm(h, a_g, a_u, norm, config, rows: glu.ExpertRows) -> torch.T
                         width=norm.global_size, experts=rows)
 
 
-class _Fc1View:
-    """The layout of the experts' fc1 (alike across experts), and the experts themselves."""
+class Fc1View:
+    """The experts' fc1 vectors (``experts``: each expert's fc1, or what holds its vectors in
+    a TE grouped linear) and their layout, alike across experts."""
 
     def __init__(self, experts):
-        self.experts = [e.linear_fc1 for e in experts]
+        self.experts = list(experts)
         first = self.experts[0]
         self.groups, self.slots, self.rows = first.groups, first.slots, first.rows
 
@@ -205,7 +204,6 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                                           f"'transformer_engine' or grouped_gemm=False")
         super().__init__(num_local_experts, config, submodules, pg_collection, name,
                          scalevec=scalevec)
-        self.scalevec = scalevec
         align = 16 // self.config.params_dtype.itemsize
         ffn = self.config.moe_ffn_hidden_size // sharding.group_size(self.tp_group)
         if self.config.hidden_size % align or ffn % align:
@@ -216,11 +214,11 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
 
     def _fc1_weight(self) -> torch.Tensor:
         """[E, out, in]: the stacked fc1 weights with every expert's vectors folded in."""
-        fc1 = _Fc1View(self.local_experts)
+        fc1 = Fc1View(e.linear_fc1 for e in self.local_experts)
         weights = [f.weight for f in fc1.experts]  # read: ready() in forward
         if not fc1.has_scale_vectors:
             return torch.stack(weights)
-        return stacked_forward_weight(self, fc1, weights)
+        return stacked_forward_weight(fc1, weights)
 
     def _activation(self, h: torch.Tensor, rows: glu.ExpertRows) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config

@@ -219,11 +219,6 @@ class ScaleVecLinearMixin:
         row, col = self.fold_vectors()
         return fold_weight(weight, row, col, self.fold_layout)
 
-    def forward_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The effective weight with autograd, for a linear whose GEMM we do not run
-        (Transformer Engine's ``_get_weight_tensors``, layers/te.py)."""
-        return self.effective_weight(weight)
-
     def _activation_forward(self, x: torch.Tensor, call):
         """Activation-side application around any linear ``call(x) -> (out, bias)``."""
         if len(self.scale_in) == 0:

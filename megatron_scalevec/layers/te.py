@@ -1,10 +1,12 @@
 """Transformer Engine parts with scale vectors folded into TE's own weights (optional, guarded).
 
-TE's ``Linear``, ``LayerNormLinear`` and ``GroupedLinear`` obtain their weights through the
-overridable ``_get_weight_tensors()`` (TE 2.9 to 2.11, the range megatron-core 0.16.1 pins;
-``../shared/TE_NOTES.md``): we return ``diag(a) W diag(gamma)`` there, a non-leaf that gets
-correct gradients and is quantized by the module's own FP8 weight quantizer. So the fused
-QKV / fc1 GEMM runs once, and TE's fused norm (and its fused FP8 cast) is kept:
+TE's ``Linear``, ``LayerNormLinear`` and ``GroupedLinear`` obtain their weights through
+``_get_weight_tensors()``, a private method (TE has no public hook that transforms a weight
+before its GEMM; checked on TE 2.11.0 with megatron-core 0.16.1 and 2.17.1 with 0.19.2 by
+tests/test_te_spec.py and tests/test_te_grouped.py; ``../shared/TE_NOTES.md``): we return
+``diag(a) W diag(gamma)`` there, a non-leaf that gets correct gradients and is quantized by the
+module's own FP8 weight quantizer. So the fused QKV / fc1 GEMM runs once, and TE's fused norm
+(and its fused FP8 cast) is kept:
 
 * dense ``linear_qkv`` / ``linear_fc1``: a ``TELayerNormColumnParallelLinear`` subclass. Under
   HG (and ``none``) its ``layer_norm_weight`` is frozen at identity (1, or 0 under
@@ -14,7 +16,7 @@ QKV / fc1 GEMM runs once, and TE's fused norm (and its fused FP8 cast) is kept:
   layers/te_grouped.py.
 * the MoE pre-norm: TE's norm, scale-free (frozen identity) unless ``shared``.
 
-The fold is :meth:`ScaleVecLinearMixin.forward_weight`, the function the local path runs and
+The fold is :meth:`ScaleVecLinearMixin.effective_weight`, the function the local path runs and
 tests, evaluated in every forward through the module's own call.
 Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
 megatron-core's real TE wrappers: tests/test_te_spec.py, on CPU through the test-only stand-in
@@ -124,11 +126,11 @@ def make_te_classes(base: dict) -> dict:
                 # that is our folded weight, so let autograd route the gradient instead.
                 self.fuse_wgrad_accumulation = False
 
-        def _get_weight_tensors(self):
+        def _get_weight_tensors(self):  # TE private, checked on 2.11.0 and 2.17.1 (above)
             weights = super()._get_weight_tensors()
             if not self.has_scale_vectors:
                 return weights
-            return [self.forward_weight(weights[0])]
+            return [self.effective_weight(weights[0])]
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -38,6 +38,7 @@ from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import glu
 from megatron_scalevec.layers.grouped import (
+    Fc1View,
     expert_norm_vectors,
     experts_glu_norm,
     stacked_forward_weight,
@@ -80,17 +81,6 @@ class _ExpertVectors(ScaleVecLinearMixin, torch.nn.Module):
         object.__setattr__(self, "weight", weight)  # read for `allreduce`, not registered
         self._init_scale_vectors(scalevec, "fc1", config, input_size, out_local, True, group,
                                  "weight")
-
-
-class _VectorsView:
-    """The alike fc1 layout of the experts, for layers/grouped.py's stacked fold."""
-
-    def __init__(self, holders):
-        self.experts = list(holders)
-        self.groups, self.slots, self.rows = holders[0].groups, holders[0].slots, holders[0].rows
-
-    def __getattr__(self, name):
-        return getattr(self.experts[0], name)
 
 
 class _Expert(torch.nn.Module):
@@ -139,7 +129,6 @@ def make_grouped_linear_class(base):
                      config, **kwargs):
             _check(config, scalevec)
             super().__init__(num_gemms, input_size, output_size, config=config, **kwargs)
-            self.scalevec = scalevec
             self.vectors_shared = False  # True: the MLP's ExpertSharedVectors (not saved here)
             self.norms_applied = not scalevec.dnp  # set by ScaleVecTEGroupedMLP
             group = sharding.tp_group(is_expert=True)
@@ -158,12 +147,11 @@ def make_grouped_linear_class(base):
                                    "alone would skip the norms")
             return super().forward(*args, **kwargs)
 
-        def _get_weight_tensors(self):
+        def _get_weight_tensors(self):  # TE private, checked on 2.11.0, 2.17.1 (layers/te.py)
             weights = list(super()._get_weight_tensors())
             if not self.has_scale_vectors:
                 return weights
-            return list(stacked_forward_weight(self, _VectorsView(self.scale_vectors),
-                                               weights).unbind(0))
+            return list(stacked_forward_weight(Fc1View(self.scale_vectors), weights).unbind(0))
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """The vectors at their global expert ids, under the sequential experts' keys
@@ -277,12 +265,9 @@ def make_grouped_mlp_class(base):
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """megatron-core's, plus the DNP norms at global expert ids under the sequential
             experts' keys, or the shared vectors once per layer."""
-            ours = {n: self._modules.pop(n) for n in ("expert_norms", "shared_vectors")
-                    if n in self._modules}
-            try:
-                sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-            finally:
-                self._modules.update(ours)
+            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            own = (f"{prefix}expert_norms.", f"{prefix}shared_vectors.")  # there without the
+            sd = {k: v for k, v in sd.items() if not k.startswith(own)}  # expert axis: below
             if self.shared_vectors is not None:
                 sd.update(self.shared_vectors.sharded_state_dict(
                     f"{prefix}shared_vectors.", sharded_offsets, metadata, self.ep_group,

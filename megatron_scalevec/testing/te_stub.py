@@ -135,16 +135,20 @@ def _enums_2_17() -> dict:
 ENUM_TABLES = {(2, 11): _enums_2_11, (2, 17): _enums_2_17}
 
 
-class _StandIn(types.ModuleType):
-    """The extension module: enums, the torch ops of te_ops, and a loud error for the rest."""
+class _Raising(types.ModuleType):
+    """A module whose names not set on it are functions raising NotImplementedError: the
+    stand-in extension (its enums and te_ops' torch functions are set) and TE's triton /
+    ONNX modules (:class:`_Unavailable`)."""
+
+    _why = "is not implemented by the CPU stand-in (megatron_scalevec.testing.te_stub)"
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
+        where = self.__name__
 
         def missing(*args, **kwargs):
-            raise NotImplementedError(f"{EXTENSION}.{name} is not implemented by the CPU "
-                                      "stand-in (megatron_scalevec.testing.te_stub)")
+            raise NotImplementedError(f"{where}.{name} {self._why}")
 
         missing.__name__ = name
         return missing
@@ -157,7 +161,7 @@ def make_extension(version: tuple[int, int]) -> types.ModuleType:
                            "release's pybind sources before testing against it")
     from megatron_scalevec.testing import te_ops  # noqa: PLC0415
 
-    mod = _StandIn(EXTENSION, "CPU stand-in for Transformer Engine's compiled extension")
+    mod = _Raising(EXTENSION, "CPU stand-in for Transformer Engine's compiled extension")
     setattr(mod, _STUB_FLAG, True)
     for name, members in ENUM_TABLES[version]().items():
         setattr(mod, name, enum.IntEnum(name, members))
@@ -166,19 +170,11 @@ def make_extension(version: tuple[int, int]) -> types.ModuleType:
 
 
 # ------------------------------------------------------------------ TE's triton and ONNX modules
-class _Unavailable(types.ModuleType):
+class _Unavailable(_Raising):
     """One of TE's triton-kernel or ONNX-export modules, not executed (triton / onnxscript are
     not installed here): each name it would define raises when used."""
 
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-
-        def unavailable(*args, **kwargs):
-            raise NotImplementedError(f"{self.__name__}.{name}: TE's triton / ONNX module is a "
-                                      "stand-in on this CPU test machine")
-
-        return unavailable
+    _why = "is not run on this CPU test machine (TE's triton / ONNX module)"
 
 
 _OPTIONAL = {"transformer_engine.common.triton.": "triton",
