@@ -182,6 +182,10 @@ def _gamma(v0: ScaleVector, part) -> torch.Tensor:
 def stacked(vectors: list) -> torch.Tensor:
     """[k, m] float32: the gamma of k alike vectors (same parameterization, sizes, groups) as
     one batched operation, with the same split statistics and gradient reduction as one by
-    one. Each vector's parameters are read through its module call (module doc)."""
+    one. Each vector's parameters are read through its module call (module doc); a vector
+    holding a value computed once for several users (:meth:`ScaleVector.computed_once`, shared
+    expert vectors) gives that value."""
+    if any(v._once is not None for v in vectors):
+        return torch.stack([v() for v in vectors])
     parts = [v(parts=True) for v in vectors]
     return _gamma(vectors[0], lambda name: torch.stack([p[name] for p in parts]))

@@ -37,9 +37,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) / max(float(a.float().abs().max()), 1e-30)
 
 
-_rel_all = M.relative_differences  # OR magnitudes / ER alphas against their sibling's scale
-
-
 def _strategy(name, expert_vectors="per_expert"):
     from megatron_scalevec.config import ScaleVecConfig
 
@@ -79,7 +76,7 @@ def _one_process(rank, world, cases, dtype_name="float32", shared_ffn=None, **ov
         assert set(sd_s) == set(sd_g), sorted(set(sd_s) ^ set(sd_g))[:5]
         assert all(torch.equal(sd_s[k], sd_g[k]) for k in sd_s if torch.is_tensor(sd_s[k]))
         assert set(g_s) == set(g_g), sorted(set(g_s) ^ set(g_g))[:5]
-        rel = _rel_all(g_s, g_g)
+        rel = M.relative_differences(g_s, g_g)
         worst = max(rel, key=rel.get)
         n_expert_vec = sum(1 for n in g_s if ".experts." in n and
                            ("scale_" in n or "_norm" in n))
@@ -134,7 +131,7 @@ def _check_experts(model, grouped):
 def _rel_diffs(rank, world, a_dir, b_dir):
     a, b = M.plain_tensors(a_dir), M.plain_tensors(b_dir)
     assert set(a) == set(b), sorted(set(a) ^ set(b))[:10]
-    return _rel_all(a, b)
+    return M.relative_differences(a, b)
 
 
 LAYOUTS = {

@@ -130,10 +130,6 @@ def test_shared_has_the_stock_te_spec_keys(experts, grouped, tp):
 
 
 # ---------------------------------------------------------------- fold, gradients, checkpoints
-_FUSED = M.TE_FUSED_NORMS
-_as_local_keys = M.te_as_local_keys
-
-
 def _local_counterpart(name: str, local, e=None):
     if e is not None:  # TE grouped fc1 -> sequential expert e's fc1
         name = name.replace(".experts.linear_fc1", f".experts.local_experts.{e}.linear_fc1")
@@ -152,7 +148,7 @@ def _fold_vs_local(rank, world, strategy, experts, grouped, zero_centered, tp, t
     M.save_model(local, local_dir)
     model = _te_model(strategy, **{**kw, "moe_grouped_gemm": grouped})
     # local checkpoint -> TE model
-    state = dist_checkpointing.load(_as_local_keys(model.sharded_state_dict()), local_dir)
+    state = dist_checkpointing.load(M.te_as_local_keys(model.sharded_state_dict()), local_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     out = dict(missing=[k for k in missing if not k.endswith("_extra_state")],
                unexpected=list(unexpected))
@@ -198,7 +194,7 @@ def _fold_vs_local(rank, world, strategy, experts, grouped, zero_centered, tp, t
     # TE model -> checkpoint -> equal to the local checkpoint, tensor for tensor
     M.save_model(model, te_dir)
     os.makedirs(os.path.join(tmp, "te_as_local"), exist_ok=True)
-    dist_checkpointing.save(_as_local_keys(model.sharded_state_dict()),
+    dist_checkpointing.save(M.te_as_local_keys(model.sharded_state_dict()),
                             os.path.join(tmp, "te_as_local"))
     a, b = M.plain_tensors(local_dir), M.plain_tensors(os.path.join(tmp, "te_as_local"))
     out["ckpt"] = M.max_differences(a, b) if set(a) == set(b) else sorted(set(a) ^ set(b))
@@ -215,7 +211,7 @@ def _fold_vs_local(rank, world, strategy, experts, grouped, zero_centered, tp, t
 def _as_te_keys(sharded: dict, te_keys: set) -> dict:
     """A local model's sharded tensors under a TE checkpoint's keys (the inverse renaming)."""
     for sh in sharded.values():
-        for te_part, local_part in _FUSED.items():
+        for te_part, local_part in M.TE_FUSED_NORMS.items():
             if sh.key not in te_keys and local_part in sh.key:
                 sh.key = sh.key.replace(local_part, te_part)
     return sharded
@@ -328,7 +324,7 @@ def _local_name(name: str) -> str:
     """A TE model's parameter name -> the local (sequential experts) model's."""
     import re
 
-    for te_part, local_part in _FUSED.items():
+    for te_part, local_part in M.TE_FUSED_NORMS.items():
         name = name.replace(te_part, local_part)
     name = re.sub(r"experts\.expert_norms\.(\d+)\.", r"experts.local_experts.\1.", name)
     name = re.sub(r"experts\.linear_fc(\d)\.weight(\d+)$",
@@ -346,7 +342,7 @@ def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp):
     M.perturb_vectors(local)
     M.save_model(local, os.path.join(tmp, "local"))
     model = _te_model(strategy, **{**kw, "moe_grouped_gemm": grouped})
-    state = dist_checkpointing.load(_as_local_keys(model.sharded_state_dict()),
+    state = dist_checkpointing.load(M.te_as_local_keys(model.sharded_state_dict()),
                                     os.path.join(tmp, "local"))
     model.load_state_dict(state, strict=False)
     from megatron_scalevec.testing import te_ops

@@ -188,11 +188,9 @@ class ScaleVecLinearMixin:
         if len(vectors) == 0:
             return None
         # one projection's vectors are alike (same size, parameterization, placement): one
-        # batched evaluation (vectors.stacked) rather than one per branch, unless they hold a
-        # value computed once for several users (shared expert vectors)
+        # batched evaluation (vectors.stacked) rather than one per branch
         vecs = list(vectors.values())
-        values = stacked(vecs).unbind(0) if len(vecs) > 1 and all(
-            v._once is None for v in vecs) else [v() for v in vecs]
+        values = stacked(vecs).unbind(0) if len(vecs) > 1 else [vecs[0]()]
         per_branch = dict(zip(vectors.keys(), values))
         ref = next(iter(per_branch.values()))
         ones = None

@@ -84,13 +84,21 @@ def pre_norm_has_gamma(scalevec: ScaleVecConfig) -> bool:
     return scalevec.vectors and not scalevec.hg
 
 
-def freeze_identity(module: torch.nn.Module, name: str, zero_centered: bool) -> None:
-    """Make ``module.<name>`` a frozen identity scale (1, or 0 when the kernel uses 1 + gamma;
-    0 for a LayerNorm's bias: the scale-free N has none), left out of state_dict (and so of
+def freeze_scale_free(module: torch.nn.Module, weight: str, bias: str,
+                      zero_centered: bool) -> None:
+    """Make TE's norm ``module`` scale-free: its ``weight`` a frozen identity (1, or 0 when the
+    kernel uses 1 + gamma) and its ``bias`` (LayerNorm) a frozen 0."""
+    _freeze(module, weight, 0.0 if zero_centered else 1.0)
+    if getattr(module, bias, None) is not None:
+        _freeze(module, bias, 0.0)
+
+
+def _freeze(module: torch.nn.Module, name: str, value: float) -> None:
+    """``module.<name>`` filled with ``value`` and frozen, left out of state_dict (and so of
     sharded_state_dict) and not required on load."""
     param = getattr(module, name)
     with torch.no_grad():
-        param.fill_(0.0 if zero_centered else 1.0)
+        param.fill_(value)
     param.requires_grad_(False)
 
     def drop(mod, state, prefix, local_metadata):
@@ -106,7 +114,8 @@ def freeze_identity(module: torch.nn.Module, name: str, zero_centered: bool) -> 
     module.register_load_state_dict_post_hook(allow_missing)
 
 
-def _out_local(output_size: int, is_expert: bool) -> int:
+def local_output_size(output_size: int, is_expert: bool) -> int:
+    """A column-parallel linear's output rows on this rank (dense or expert TP)."""
     return output_size // sharding.group_size(sharding.tp_group(is_expert))
 
 
@@ -119,7 +128,7 @@ def make_te_classes(base: dict) -> dict:
             check_foldable(config, scalevec)
             group = sharding.tp_group(is_expert)
             self._init_scale_vectors(scalevec, branches, config, input_size,
-                                     _out_local(output_size, is_expert), is_expert, group,
+                                     local_output_size(output_size, is_expert), is_expert, group,
                                      "weight")
             if self.has_scale_vectors:
                 # fused wgrad accumulation writes weight.main_grad of the tensor TE is given;
@@ -148,9 +157,8 @@ def make_te_classes(base: dict) -> dict:
             super().__init__(input_size, output_size, config=config, **kwargs)
             self._init_folded(scalevec, branches, config, input_size, output_size, False)
             if not pre_norm_has_gamma(scalevec):
-                freeze_identity(self, "layer_norm_weight", config.layernorm_zero_centered_gamma)
-                if getattr(self, "layer_norm_bias", None) is not None:  # LayerNorm: beta = 0
-                    freeze_identity(self, "layer_norm_bias", True)
+                freeze_scale_free(self, "layer_norm_weight", "layer_norm_bias",
+                                  config.layernorm_zero_centered_gamma)
 
     class ScaleVecTEColumnParallelLinear(_Folded, base["TEColumnParallelLinear"]):
         """TE column linear (sequential and shared experts) with branch vectors folded."""
@@ -167,9 +175,7 @@ def make_te_classes(base: dict) -> dict:
         def __new__(cls, config, hidden_size, eps=1e-5, *, scalevec: ScaleVecConfig):
             norm = base["TENorm"](config=config, hidden_size=hidden_size, eps=eps)
             if not pre_norm_has_gamma(scalevec):
-                freeze_identity(norm, "weight", config.layernorm_zero_centered_gamma)
-                if getattr(norm, "bias", None) is not None:  # LayerNorm: beta = 0
-                    freeze_identity(norm, "bias", True)
+                freeze_scale_free(norm, "weight", "bias", config.layernorm_zero_centered_gamma)
             return norm
 
     return dict(ln_column=ScaleVecTELayerNormColumnParallelLinear,

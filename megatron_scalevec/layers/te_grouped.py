@@ -45,11 +45,15 @@ from megatron_scalevec.layers.grouped import (
 )
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 from megatron_scalevec.layers.moe import shared_expert_vectors
-from megatron_scalevec.layers.te import _out_local, check_foldable, megatron_te_bases, te_modules
+from megatron_scalevec.layers.te import (
+    check_foldable,
+    local_output_size,
+    megatron_te_bases,
+    te_modules,
+)
 from megatron_scalevec.norms import ScaleVecNorm
 
 _CACHE: dict = {}
-
 
 
 def _check(config, scalevec: ScaleVecConfig) -> None:
@@ -133,7 +137,7 @@ def make_grouped_linear_class(base):
             self.norms_applied = not scalevec.dnp  # set by ScaleVecTEGroupedMLP
             group = sharding.tp_group(is_expert=True)
             self.scale_vectors = torch.nn.ModuleList(
-                _ExpertVectors(scalevec, config, input_size, _out_local(output_size, True),
+                _ExpertVectors(scalevec, config, input_size, local_output_size(output_size, True),
                                group, getattr(self, f"weight{e}")) for e in range(num_gemms))
             self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
             if self.has_scale_vectors:
@@ -180,8 +184,7 @@ def make_grouped_mlp_class(base):
     class ScaleVecTEGroupedMLP(base):
         def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None,
                      *, scalevec: ScaleVecConfig):
-            _check(config, scalevec)
-            width = config.moe_ffn_hidden_size
+            width = config.moe_ffn_hidden_size  # options checked by our fc1 (_check)
             super().__init__(**mcore.accepted_kwargs(
                 base, num_local_experts=num_local_experts, config=config,
                 submodules=submodules, pg_collection=pg_collection, name=name))
@@ -225,6 +228,11 @@ def make_grouped_mlp_class(base):
                                          permuted_probs)
 
         def _dnp_forward(self, x, tokens_per_expert, probs):
+            """TEGroupedMLP.forward with the DNP GLU norm between the GEMMs. It uses
+            megatron-core's TEGroupedMLP internals ``quantization_padding`` /
+            ``quantization_unpadding``, ``activation_recompute``, the private ``_apply_bias``
+            and ``moe_utils.skip_routed_expert_padding`` (0.19); present in 0.16.1 and 0.19.2,
+            run there by tests/test_te_grouped.py except the FP8 padding (GPU only)."""
             cfg = self.config
             counts = tokens_per_expert.tolist()
             probs = probs.unsqueeze(-1)

@@ -381,4 +381,3 @@ def relative_differences(ref: dict, other: dict) -> dict:
         diff = float((ref[k].float() - other[k].float()).abs().max())
         out[k] = diff / max(scale, 1e-30)
     return out
-
