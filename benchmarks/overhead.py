@@ -56,9 +56,9 @@ from benchmarks.heap import keep_freed_memory, minor_faults
 from benchmarks.multi_tensor import multi_tensor_adam, multi_tensor_kernels
 from megatron_scalevec import ScaleVecConfig
 
-__all__ = ["host_args", "host_report", "main", "multi_tensor_adam", "multi_tensor_kernels",
-           "null_builds", "paired_diff", "paired_ratio", "parse_variant", "report", "run",
-           "saved_activation_bytes"]
+__all__ = ["host_args", "host_report", "kept_bytes", "main", "multi_tensor_adam",
+           "multi_tensor_kernels", "null_builds", "paired_diff", "paired_ratio", "parse_variant",
+           "report", "run", "saved_activation_bytes"]
 
 DEFAULT_VARIANTS = ["stock", "shared", "hg", "hg+dp", "hg+dp@activation", "hg+dnp",
                     "hg+dnp+or", "hg+dnp+er", "unified"]
@@ -95,6 +95,24 @@ def saved_activation_bytes(fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return total[0]
+
+
+def kept_bytes(fn) -> int:
+    """Bytes still held, once ``fn`` has returned, by the storages autograd saved while it
+    ran (counted once per storage): what a forward keeps for its backward. Unlike
+    :func:`saved_activation_bytes` it sees a saved tensor whose storage was released after
+    the forward (layers/fold.py's folded weights under TE)."""
+    saved = {}
+
+    def pack(t):
+        saved.setdefault(t.untyped_storage().data_ptr(), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    kept = sum(t.untyped_storage().nbytes() for t in saved.values())
+    del out
+    return kept
 
 
 def _state_bytes(model) -> int:

@@ -123,7 +123,7 @@ def test_te_grouped_layernorm_recompute_and_probs_on_input(tmp_path):
 
 # ---------------------------------------------------------------- memory
 def _saved_bytes(rank, world):
-    from benchmarks.overhead import saved_activation_bytes
+    from benchmarks.overhead import kept_bytes, saved_activation_bytes
 
     _start()
     out = {}
@@ -136,6 +136,7 @@ def _saved_bytes(rank, world):
             experts = model.decoder.layers[0].mlp.experts
             out[strategy] = saved_activation_bytes(
                 lambda e=experts: e(x, tokens_per_expert, probs))
+            out["kept " + strategy] = kept_bytes(lambda e=experts: e(x, tokens_per_expert, probs))
     return out
 
 
@@ -143,13 +144,17 @@ def _saved_bytes(rank, world):
 def test_te_grouped_dnp_keeps_no_more_than_the_stock_glu():
     """Bytes autograd saves in the experts' forward (40 rows, hidden 32, FFN 64, 4 experts).
     The DNP GLU norm keeps fc1's output and two statistics per row: no more than megatron-core's
-    GLU under the same fold (hg+dp). The fold itself: TE keeps the folded fc1 weights it
-    multiplied, for its dgrad (4 x 128 x 32 fp32 = 64 KiB here; FP8 keeps its quantized copy
-    either way)."""
+    GLU under the same fold (hg+dp). The fold itself: TE saves the folded fc1 weights it
+    multiplied, for its dgrad (4 x 128 x 32 fp32 = 64 KiB here), but what is *kept* after the
+    forward excludes them: their storage is released until TE's backward (layers/fold.py), so
+    every strategy keeps no more than ``shared`` plus the small vectors."""
     saved = run_on_ranks(_saved_bytes, 1)[0]
     assert saved["unified"] <= saved["hg+dp"], saved
     folded = 4 * 128 * 32 * 4
     assert folded <= saved["hg+dp"] - saved["shared"] <= folded + 8192, saved
+    for strategy in ("hg+dp", "unified"):
+        assert saved["kept " + strategy] <= saved["kept shared"] + 8192, saved
+        assert saved["kept " + strategy] <= saved[strategy] - folded, saved
 
 
 # ---------------------------------------------------------------- layouts

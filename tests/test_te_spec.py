@@ -424,3 +424,43 @@ def test_stub_warns_and_refuses_where_real_te_is_installed():
     warned, refused = run_on_ranks(_with_real_extension, 1)[0]
     assert any("compiled extension is installed" in w for w in warned), warned
     assert refused and "real Transformer Engine extension is installed" in refused, refused
+
+
+# ---------------------------------------------------------------- memory kept for backward
+def _kept(rank, world):
+    from benchmarks.overhead import kept_bytes, saved_activation_bytes
+
+    _start()
+    batch = M.batches(1, 2)[0]
+    out = {}
+    for impl in ("transformer_engine", "local"):
+        for strategy in ("shared", "hg+dp", "unified"):
+            with te_stub.cuda_claimed():
+                model = M.build_gpt(M.tiny_config(transformer_impl=impl, hidden_size=64,
+                                                  ffn_hidden_size=256), strategy)
+
+                def forward(m=model):
+                    return m(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+                out[impl, strategy] = (kept_bytes(forward), saved_activation_bytes(forward))
+            out["folded", impl] = sum(p.numel() * p.element_size() for n, p in
+                                      model.named_parameters()
+                                      if n.endswith(("linear_qkv.weight", "linear_fc1.weight")))
+    return out
+
+
+@needs_te
+def test_te_keeps_no_folded_weight_after_the_forward():
+    """Bytes a forward keeps for backward (storages alive after it): TE saves the folded
+    weight it multiplied (and pins it on ctx), the fold releases it until TE's backward, so
+    every strategy keeps at most 1.02x ``shared`` of the same layout, TE as local; under TE
+    the folded weights (qkv and fc1 of every layer) were saved, and released."""
+    kept = run_on_ranks(_kept, 1)[0]
+    for impl in ("transformer_engine", "local"):
+        base = kept[impl, "shared"][0]
+        for strategy in ("hg+dp", "unified"):
+            assert kept[impl, strategy][0] <= 1.02 * base, (impl, strategy, kept)
+    folded = kept["folded", "transformer_engine"]
+    for strategy in ("hg+dp", "unified"):
+        held, saved = kept["transformer_engine", strategy]
+        assert saved - held >= folded, (strategy, folded, kept)

@@ -26,13 +26,14 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers import fused, glu
+from megatron_scalevec.layers import glu
+from megatron_scalevec.layers.fold import Fold
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import stacked
 
 __all__ = ["Fc1View", "ScaleVecGroupedMLP", "expert_norm_vectors", "experts_glu_norm",
-           "grouped_mm_available", "grouped_linear", "stacked_fold",
-           "stacked_fold_backward", "stacked_forward_weight", "stacked_gamma"]
+           "fold_vectors", "grouped_mm_available", "grouped_linear", "stacked_forward_weight",
+           "stacked_gamma"]
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None)
@@ -86,75 +87,22 @@ def _slot_stack(fc1, vectors_of, width: int) -> Optional[torch.Tensor]:
     return torch.stack([per_branch.get(n, ones) for n in fc1.slots], dim=1)
 
 
-def _fold_scale(col, row, dtype):
-    """[E, 1, S, r|1, in|1]: ``a_slot[r] * gamma_slot[in]`` per expert, as effective_weight."""
-    if row is not None and col is not None:
-        scale = row[..., None] * col[:, :, None, :]
-    elif col is not None:
-        scale = col[:, :, None, :]
-    else:
-        scale = row[..., None]
-    return scale[:, None].to(dtype)
+def fold_vectors(fc1: Fc1View, width: int) -> tuple:
+    """(row [E, S, r] or None, col [E, S, in] or None): every expert's fc1 vectors per slot,
+    each branch of all experts evaluated as one batched operation."""
+    return (_slot_stack(fc1, lambda m: m.scale_out, fc1.rows),
+            _slot_stack(fc1, lambda m: m.scale_in, width))
 
 
-def _stacked_layout(col, row, groups, weights) -> tuple:
-    out, width = weights[0].shape
-    s = (col if col is not None else row).shape[1]
-    return groups, s, out // (groups * s), width
-
-
-def stacked_fold(weights, col, row, groups) -> torch.Tensor:
-    """[E, out, in]: ``stack(W)[e] * (a^e x gamma^e)`` per slot, for all experts at once."""
-    w = torch.stack(weights)
-    shape = (len(weights), *_stacked_layout(col, row, groups, weights))
-    return (w.view(shape) * _fold_scale(col, row, w.dtype)).view_as(w)
-
-
-def stacked_fold_backward(grad, weights, col, row, groups, needs) -> tuple:
-    """Gradients of (col, row, *weights) from dL/dW_eff [E, out, in] (``needs``: which);
-    the weights' in their dtype (``grad`` may be an fp32 accumulation). Compiled as
-    layers/fused.py's kernels, with the weights' static shapes (the products fused)."""
-    return fused._kernel(_stacked_fold_backward, dynamic=False)(
-        grad, tuple(weights), col, row, groups, needs)
-
-
-def _stacked_fold_backward(grad, weights, col, row, groups, needs) -> tuple:
-    d = grad.reshape(len(weights), *_stacked_layout(col, row, groups, weights))
-    dw = (d * _fold_scale(col, row, d.dtype)).view_as(grad).to(weights[0].dtype)
-    dcol = drow = None
-    if needs[0] or needs[1]:
-        t = (d * torch.stack(weights).view_as(d)).float().sum(1)  # [E, S, r, in]
-        if col is not None and needs[0]:
-            dcol = (t * row[..., None]).sum(2) if row is not None else t.sum(2)
-        if row is not None and needs[1]:
-            drow = (t * col[:, :, None, :]).sum(3) if col is not None else t.sum(3)
-    return (dcol, drow, *dw.unbind(0))
-
-
-class _StackedFold(torch.autograd.Function):
-    """:func:`stacked_fold` that keeps only the small vectors for backward (the weights are
-    the parameters themselves): the stacked and the folded weights are rebuilt there."""
-
-    @staticmethod
-    def forward(ctx, col, row, groups, *weights):
-        ctx.groups = groups
-        ctx.save_for_backward(col, row, *weights)
-        return stacked_fold(weights, col, row, groups)
-
-    @staticmethod
-    def backward(ctx, grad):
-        col, row, *weights = ctx.saved_tensors
-        dcol, drow, *dw = stacked_fold_backward(grad, weights, col, row, ctx.groups,
-                                                ctx.needs_input_grad[:2])
-        return (dcol, drow, None, *dw)
-
-
-def stacked_forward_weight(fc1: Fc1View, weights) -> torch.Tensor:
+def stacked_forward_weight(fc1: Fc1View, weights, folds=None) -> torch.Tensor:
     """[E, out, in] folded fc1 weights of the experts ``fc1``, with autograd; only the
-    vectors are kept for backward (:class:`_StackedFold`)."""
-    col = _slot_stack(fc1, lambda m: m.scale_in, weights[0].shape[-1])
-    row = _slot_stack(fc1, lambda m: m.scale_out, fc1.rows)
-    return _StackedFold.apply(col, row, fc1.groups, *weights)
+    vectors are kept for backward (layers/fold.py ``Fold``; ``folds``: a
+    ``fold.FoldedWeights`` that holds them for release)."""
+    row, col = fold_vectors(fc1, weights[0].shape[-1])
+    layout = (fc1.groups, len(fc1.slots), fc1.rows)
+    if folds is not None:
+        return folds(weights, row, col, layout)
+    return Fold.apply(row, col, layout, *weights)
 
 
 def expert_norm_vectors(experts, config) -> tuple:

@@ -37,7 +37,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import fused
+from megatron_scalevec.layers import fold, fused
 from megatron_scalevec.vectors import ScaleVector, stacked
 
 
@@ -62,54 +62,24 @@ def branch_layout(branches: str, config, out_local: int) -> tuple:
     raise ValueError(f"unknown branch layout {branches!r} (expected 'qkv' or 'fc1')")
 
 
-def fold_weight(weight, row, col, layout) -> torch.Tensor:
-    """diag(row) W diag(col) per slot; ``layout`` = (G, S, r) of W's rows."""
-    groups, slots, rows = layout
-    w = weight.view(groups, slots, rows, weight.shape[1])
-    if row is not None and col is not None:
-        scale = row[:, :, None] * col[:, None, :]
-    elif col is not None:
-        scale = col[:, None, :]
-    else:
-        scale = row[:, :, None]
-    return (w * scale.to(w.dtype)).view_as(weight)
-
-
-def fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:
-    """(dW, d row, d col) from G = dL/dW_eff [out, in] (``needs``: which of the three):
-    dW = G * scale, d col[s, j] = sum_{g,i} G W row[s, i], d row[s, i] = sum_{g,j} G W col[s, j].
-    dW in W's dtype; G may be an fp32 accumulation. Compiled as layers/fused.py's kernels, so
-    the products are fused rather than each a pass over the weight (static shapes: W's)."""
-    return fused._kernel(_fold_backward, dynamic=False)(g_eff, weight, row, col, layout,
-                                                        needs)
-
-
-def _fold_backward(g_eff, weight, row, col, layout, needs) -> tuple:
-    d_w = fold_weight(g_eff, row, col, layout).to(weight.dtype) if needs[0] else None
-    d_row = d_col = None
-    if (row is not None and needs[1]) or (col is not None and needs[2]):
-        g4 = g_eff.view(*layout, weight.shape[1])
-        p = g4.float() * weight.view_as(g4).float()
-        if row is not None and needs[1]:
-            d_row = torch.einsum("gsij,sj->si", p, col) if col is not None else p.sum((0, 3))
-        if col is not None and needs[2]:
-            d_col = torch.einsum("gsij,si->sj", p, row) if row is not None else p.sum((0, 2))
-    return d_w, d_row, d_col
+def _fold_one(weight, row, col, layout) -> torch.Tensor:
+    """diag(row) W diag(col) per slot, outside autograd (layers/fold.py, E = 1)."""
+    return fold.fold([weight], fold.single(row), fold.single(col), layout)[0]
 
 
 class _FoldedLinear(torch.autograd.Function):
-    """``x @ fold_weight(W, row, col)^T (+ bias)`` with megatron-core's column-parallel
+    """``x @ (diag(row) W diag(col))^T (+ bias)`` with megatron-core's column-parallel
     communication (sequence-parallel gather of x, all-reduce or reduce-scatter of its gradient).
 
     Keeps x (this rank's shard under SP, as megatron-core does), W and the vectors; backward
     rebuilds the effective weight (one more pass over out x in) and maps its gradient back
-    (:func:`fold_backward`).
+    (layers/fold.py ``fold_grads``).
     """
 
     @staticmethod
     def forward(ctx, x, weight, row, col, bias, layout, allreduce_dgrad, sequence_parallel,
                 tp_group):
-        w_eff = fold_weight(weight, row, col, layout)
+        w_eff = _fold_one(weight, row, col, layout)
         total = sharding.gather_tokens(x, tp_group) if sequence_parallel else x
         out = torch.matmul(total, w_eff.t())
         if bias is not None:
@@ -123,7 +93,7 @@ class _FoldedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, row, col = ctx.saved_tensors
-        w_eff = fold_weight(weight, row, col, ctx.layout)
+        w_eff = _fold_one(weight, row, col, ctx.layout)
         total = sharding.gather_tokens(x, ctx.tp_group) if ctx.sequence_parallel else x
         dx = dy.matmul(w_eff)
         del w_eff
@@ -133,8 +103,11 @@ class _FoldedLinear(torch.autograd.Function):
             dx = sharding.reduce_scatter_tokens(dx, ctx.tp_group)
         dy2 = dy.reshape(-1, dy.shape[-1])
         g_eff = dy2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out, in]
-        d_w, d_row, d_col = fold_backward(g_eff, weight, row, col, ctx.layout,
-                                          ctx.needs_input_grad[1:4])
+        d_w, d_row, d_col = fold.fold_grads(g_eff, [weight], fold.single(row),
+                                            fold.single(col), ctx.layout,
+                                            ctx.needs_input_grad[1:4])
+        d_w = d_w[0] if d_w is not None else None
+        d_row, d_col = (None if d is None else d[0] for d in (d_row, d_col))
         d_bias = dy2.sum(0) if ctx.has_bias else None
         return dx, d_w, d_row, d_col, d_bias, None, None, None, None
 
@@ -215,7 +188,9 @@ class ScaleVecLinearMixin:
     def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """diag(a) W diag(gamma) per slot, as one [out, in] tensor (with autograd)."""
         row, col = self.fold_vectors()
-        return fold_weight(weight, row, col, self.fold_layout)
+        if row is None and col is None:
+            return weight
+        return fold.Fold.apply(fold.single(row), fold.single(col), self.fold_layout, weight)[0]
 
     def _activation_forward(self, x: torch.Tensor, call):
         """Activation-side application around any linear ``call(x) -> (out, bias)``."""
@@ -290,12 +265,12 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
                 **kwargs)
         if grad_output_buffer is not None:
             raise NotImplementedError("deferred wgrad compute with folded scale vectors")
-        row, col = self.fold_vectors()
         if fused.use_reference():  # tests: the autograd fold (keeps W_eff)
             return super()._forward_impl(
-                input, fold_weight(weight, row, col, self.fold_layout), bias, False,
+                input, self.effective_weight(weight), bias, False,
                 allreduce_dgrad, sequence_parallel, None, None,
                 tp_group=tp_group, **kwargs)
+        row, col = self.fold_vectors()
         return _FoldedLinear.apply(input, weight, row, col, bias, self.fold_layout,
                                    allreduce_dgrad, sequence_parallel, tp_group)
 

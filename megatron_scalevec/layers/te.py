@@ -16,8 +16,11 @@ module's own FP8 weight quantizer. So the fused QKV / fc1 GEMM runs once, and TE
   layers/te_grouped.py.
 * the MoE pre-norm: TE's norm, scale-free (frozen identity) unless ``shared``.
 
-The fold is :meth:`ScaleVecLinearMixin.effective_weight`, the function the local path runs and
-tests, evaluated in every forward through the module's own call.
+The fold is layers/fold.py's, the one the local path runs, evaluated in every forward through
+the module's own call. TE keeps the weight it is given for its backward (and pins it on
+``ctx``): the folded weight's storage is released after the module's forward and refolded in
+place right before its backward (``fold.FoldedWeights``), so nothing weight-sized is kept per
+micro-batch in flight, as on the local path.
 Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
 megatron-core's real TE wrappers: tests/test_te_spec.py, on CPU through the test-only stand-in
 for TE's compiled extension (testing/te_stub.py, testing/te_ops.py), TE's own fp32 forward and
@@ -32,6 +35,7 @@ import torch
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.layers import fold
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 
 
@@ -114,6 +118,13 @@ def _freeze(module: torch.nn.Module, name: str, value: float) -> None:
     module.register_load_state_dict_post_hook(allow_missing)
 
 
+def release_output(folds: fold.FoldedWeights, out):
+    """A TE module's output ``(out, bias)`` (or ``out``) through ``folds``' refold point."""
+    if isinstance(out, tuple):
+        return (folds.release_until_backward(out[0]), *out[1:])
+    return folds.release_until_backward(out)
+
+
 def local_output_size(output_size: int, is_expert: bool) -> int:
     """A column-parallel linear's output rows on this rank (dense or expert TP)."""
     return output_size // sharding.group_size(sharding.tp_group(is_expert))
@@ -130,16 +141,25 @@ def make_te_classes(base: dict) -> dict:
             self._init_scale_vectors(scalevec, branches, config, input_size,
                                      local_output_size(output_size, is_expert), is_expert, group,
                                      "weight")
+            self._folds = fold.FoldedWeights()
             if self.has_scale_vectors:
                 # fused wgrad accumulation writes weight.main_grad of the tensor TE is given;
                 # that is our folded weight, so let autograd route the gradient instead.
                 self.fuse_wgrad_accumulation = False
 
+        def forward(self, x, *args, **kwargs):
+            if not self.has_scale_vectors:
+                return super().forward(x, *args, **kwargs)
+            with self._folds:  # TE keeps the folded weight: released until its backward
+                return release_output(self._folds, super().forward(x, *args, **kwargs))
+
         def _get_weight_tensors(self):  # TE private, checked on 2.11.0 and 2.17.1 (above)
             weights = super()._get_weight_tensors()
             if not self.has_scale_vectors:
                 return weights
-            return [self.effective_weight(weights[0])]
+            row, col = self.fold_vectors()
+            return [self._folds([weights[0]], fold.single(row), fold.single(col),
+                                self.fold_layout)[0]]
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -36,7 +36,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron_scalevec import sharding
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import glu
+from megatron_scalevec.layers import fold, glu
 from megatron_scalevec.layers.grouped import (
     Fc1View,
     expert_norm_vectors,
@@ -49,6 +49,7 @@ from megatron_scalevec.layers.te import (
     check_foldable,
     local_output_size,
     megatron_te_bases,
+    release_output,
     te_modules,
 )
 from megatron_scalevec.norms import ScaleVecNorm
@@ -140,6 +141,7 @@ def make_grouped_linear_class(base):
                 _ExpertVectors(scalevec, config, input_size, local_output_size(output_size, True),
                                group, getattr(self, f"weight{e}")) for e in range(num_gemms))
             self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
+            self._folds = fold.FoldedWeights()
             if self.has_scale_vectors:
                 # TE's fused wgrad accumulation would write main_grad of the folded weight
                 self.fuse_wgrad_accumulation = False
@@ -149,13 +151,17 @@ def make_grouped_linear_class(base):
                 raise RuntimeError("DNP on TE grouped experts needs the experts module "
                                    "ScaleVecTEGroupedMLP (te_grouped_experts_spec): this fc1 "
                                    "alone would skip the norms")
-            return super().forward(*args, **kwargs)
+            if not self.has_scale_vectors:
+                return super().forward(*args, **kwargs)
+            with self._folds:  # TE keeps the folded weights: released until its backward
+                return release_output(self._folds, super().forward(*args, **kwargs))
 
         def _get_weight_tensors(self):  # TE private, checked on 2.11.0, 2.17.1 (layers/te.py)
             weights = list(super()._get_weight_tensors())
             if not self.has_scale_vectors:
                 return weights
-            return list(stacked_forward_weight(Fc1View(self.scale_vectors), weights).unbind(0))
+            return list(stacked_forward_weight(Fc1View(self.scale_vectors), weights,
+                                               self._folds).unbind(0))
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """The vectors at their global expert ids, under the sequential experts' keys

@@ -1,0 +1,179 @@
+"""The fold, ``W_eff = diag(a) W diag(gamma)`` per slot: every folded linear's, in one place.
+
+A folded weight's rows are ``[G, S, r]`` (groups, slots, rows per slot: layers/linear.py
+``branch_layout``). Several experts' weights fold together along a leading expert axis ``E``;
+one linear is ``E = 1``. Vectors: ``row`` ``[E, S, r]`` (DP's ``a``), ``col`` ``[E, S, in]``
+(HG's ``gamma``), either None.
+
+* :func:`fold` / :func:`fold_grads`: the product and its gradient map (``dW = G * scale`` and
+  the vectors' sums of ``G * W``), with ``G = dL/dW_eff``.
+* :class:`Fold`: ``W_eff`` with autograd that keeps only the weights (parameters) and the
+  vectors, used by the TE linears and the grouped experts; layers/linear.py's local GEMM uses
+  the same two functions around its own GEMM.
+* :func:`release_until_backward`: a GEMM that keeps the folded weight it was given until its
+  backward (Transformer Engine saves it and pins it on ``ctx``) would hold one weight-sized
+  tensor per folded linear per micro-batch in flight. After that GEMM's forward the folded
+  weight's storage is released, and it is refolded in place right before that GEMM's backward,
+  as the local path rebuilds it there (same bytes, same values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from megatron_scalevec.layers import fused
+
+
+def _scale(row, col, dtype) -> torch.Tensor:
+    """[E, 1, S, r|1, in|1]: ``a[r] * gamma[in]`` per slot (computed in float32)."""
+    if row is not None and col is not None:
+        scale = row[..., None] * col[:, :, None, :]
+    elif col is not None:
+        scale = col[:, :, None, :]
+    else:
+        scale = row[..., None]
+    return scale[:, None].to(dtype)
+
+
+def single(vec: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One linear's slot vectors [S, n] with the expert axis (E = 1)."""
+    return None if vec is None else vec[None]
+
+
+def _shape(n_experts: int, layout: tuple, width: int) -> tuple:
+    return (n_experts, *layout, width)
+
+
+def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[E, out, in]: each weight folded with its expert's vectors (into ``out`` if given), one
+    pass over the weights (no stacked copy first)."""
+    n, (rows_out, width) = len(weights), weights[0].shape
+    if out is None:
+        out = weights[0].new_empty((n, rows_out, width))
+    scale = _scale(row, col, weights[0].dtype)
+    target = out.view(_shape(n, layout, width))
+    for e, w in enumerate(weights):
+        torch.mul(w.view(_shape(1, layout, width))[0], scale[e], out=target[e])
+    return out
+
+
+def fold_grads(grad: torch.Tensor, weights: Sequence[torch.Tensor], row, col, layout: tuple,
+               needs: tuple) -> tuple:
+    """(dW per expert, d row, d col) from ``grad`` = dL/dW_eff [E, out, in] (``needs``: which
+    of the three); dW in the weights' dtype (``grad`` may be a float32 accumulation). Compiled
+    as layers/fused.py's kernels, with the weights' static shapes (the products fused)."""
+    return fused._kernel(_fold_grads, dynamic=False)(grad, tuple(weights), row, col, layout,
+                                                     needs)
+
+
+def _fold_grads(grad, weights, row, col, layout, needs) -> tuple:
+    n, width = len(weights), weights[0].shape[-1]
+    g = grad.reshape(_shape(n, layout, width))
+    dw = None
+    if needs[0]:
+        dw = (g * _scale(row, col, g.dtype)).to(weights[0].dtype)
+        dw = dw.view(n, *weights[0].shape).unbind(0)
+    d_row = d_col = None
+    if (row is not None and needs[1]) or (col is not None and needs[2]):
+        w = torch.stack(weights).view_as(g)
+        p = (g.float() * w.float()).sum(1)  # [E, S, r, in]: summed over the groups
+        if row is not None and needs[1]:
+            d_row = (p * col[:, :, None, :]).sum(3) if col is not None else p.sum(3)
+        if col is not None and needs[2]:
+            d_col = (p * row[..., None]).sum(2) if row is not None else p.sum(2)
+    return dw, d_row, d_col
+
+
+class Fold(torch.autograd.Function):
+    """:func:`fold` with autograd, keeping only the vectors and the weights (the parameters
+    themselves) for backward, where :func:`fold_grads` maps the gradient back."""
+
+    @staticmethod
+    def forward(ctx, row, col, layout, *weights):
+        ctx.layout = layout
+        ctx.save_for_backward(row, col, *weights)
+        return fold(weights, row, col, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        row, col, *weights = ctx.saved_tensors
+        needs = (any(ctx.needs_input_grad[3:]), *ctx.needs_input_grad[:2])
+        dw, d_row, d_col = fold_grads(grad, weights, row, col, ctx.layout, needs)
+        return (d_row, d_col, None, *(dw if dw is not None else [None] * len(weights)))
+
+
+class _Held:
+    """A folded weight a GEMM keeps until its backward: released after the forward, refolded
+    in place (same storage, same values) before the backward."""
+
+    def __init__(self, w_eff, weights, row, col, layout):
+        self.w_eff, self.nbytes = w_eff, w_eff.untyped_storage().nbytes()
+        self.weights = [w.detach() for w in weights]
+        self.row = None if row is None else row.detach()
+        self.col = None if col is None else col.detach()
+        self.layout = layout
+
+    def release(self) -> None:
+        self.w_eff.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def refold(self) -> None:
+        storage = self.w_eff.untyped_storage()
+        if storage.nbytes() == self.nbytes:
+            return  # refolded already (a GEMM that kept it twice)
+        storage.resize_(self.nbytes)
+        # .data: a view with its own version counter, so the in-place refill is not seen as a
+        # modification of the tensor autograd saved
+        fold(self.weights, self.row, self.col, self.layout, out=self.w_eff.data)
+
+
+class _RefoldBeforeBackward(torch.autograd.Function):
+    """Identity on the GEMM's output; its backward (which runs before the GEMM's: it makes the
+    GEMM's output gradient) refolds the held weights."""
+
+    @staticmethod
+    def forward(ctx, out, held):
+        ctx.held = held
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for h in ctx.held:
+            h.refold()
+        return grad, None
+
+
+class FoldedWeights:
+    """Folds for one module's forward; :meth:`release_until_backward` then frees what they
+    made until the backward (outside a grad-enabled forward nothing is held)."""
+
+    def __init__(self):
+        self.held: Optional[list] = None
+
+    def __enter__(self):
+        self.held = [] if torch.is_grad_enabled() else None
+        return self
+
+    def __exit__(self, *exc):
+        self.held = None
+
+    def __call__(self, weights, row, col, layout) -> torch.Tensor:
+        """[E, out, in] folded weights with autograd (:class:`Fold`)."""
+        w_eff = Fold.apply(row, col, layout, *weights)
+        if self.held is not None and w_eff.requires_grad:
+            self.held.append(_Held(w_eff, weights, row, col, layout))
+        return w_eff
+
+    def release_until_backward(self, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the GEMM's output) through the refold point; the folded weights released."""
+        held, self.held = self.held, [] if self.held is not None else None
+        if not held or not out.requires_grad:
+            return out
+        out = _RefoldBeforeBackward.apply(out, held)
+        for h in held:
+            h.release()
+        return out
