@@ -177,3 +177,86 @@ class FoldedWeights:
         for h in held:
             h.release()
         return out
+
+
+# ---------------------------------------------------------------- the map, once per step
+
+def microbatches() -> Optional[int]:
+    """Micro-batches per optimizer step, from megatron-core's calculator (set up by
+    Megatron-LM, Megatron-Bridge and our trainer); None where none is set up."""
+    from megatron.core import num_microbatches_calculator as calc  # noqa: PLC0415
+
+    try:
+        return calc.get_num_microbatches()
+    except (AttributeError, AssertionError):  # no calculator: ``None.get()``
+        return None
+
+
+class StepMap:
+    """When a folded linear maps its gradient: every micro-batch (``None``), or once per
+    optimizer step. Every term of the map is linear in ``G = dL/dW_eff`` and the vectors do not
+    change within a step, so the GEMM accumulates ``G`` into W's ``main_grad`` on every
+    micro-batch (``"accumulate"``; the vectors are used without autograd) and the step's last
+    micro-batch maps the sum in place (``"map"``), before DDP reduces W's or the vectors'
+    buckets, both of which get their gradients in that backward.
+
+    A step starts where megatron-core's DDP ``zero_grad_buffer()`` (called at the start of every
+    training iteration) reset W's ``grad_added_to_main_grad``; its training forwards (grad
+    enabled; a recomputed forward counts where it runs, in backward order) are counted against
+    the calculator's micro-batch count. Without megatron-core's DDP (no ``main_grad``) or
+    without a calculator, every micro-batch maps its own gradient."""
+
+    def __init__(self):
+        self.seen = 0
+        self.mapped = True
+
+    def mode(self, weight: torch.Tensor) -> Optional[str]:
+        n = microbatches()
+        if n is None or not hasattr(weight, "main_grad") or not torch.is_grad_enabled() \
+                or not weight.requires_grad:
+            return None
+        if not getattr(weight, "grad_added_to_main_grad", False):  # DDP zeroed: a new step
+            if self.seen and not self.mapped:
+                raise RuntimeError(
+                    f"scale vectors: the last optimizer step ran {self.seen} training forwards "
+                    f"of a folded linear but mapped no gradient (expected {n} micro-batches, "
+                    f"get_num_microbatches()); forward_backward_func's num_microbatches must "
+                    f"match megatron-core's micro-batch calculator")
+            self.seen, self.mapped = 0, False
+            weight.grad_added_to_main_grad = True  # G goes to main_grad, never through .grad
+        self.seen += 1
+        if self.seen > n:
+            raise RuntimeError(
+                f"scale vectors: training forward {self.seen} of a folded linear in one step, "
+                f"but get_num_microbatches() is {n}: set megatron-core's micro-batch calculator "
+                f"to the num_microbatches given to forward_backward_func")
+        return "map" if self.seen == n else "accumulate"
+
+
+def accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """``main_grad += dy^T x`` ([out, in]), as megatron-core's gradient-accumulation fusion:
+    APEX's ``wgrad_gemm_accum_*`` on CUDA where installed, else a GEMM with accumulate when the
+    dtypes agree, else the product in the activations' dtype added."""
+    if main_grad.is_cuda and _APEX is not None and main_grad.dtype == torch.float32:
+        _APEX.wgrad_gemm_accum_fp32(x, dy, main_grad)
+    elif main_grad.dtype == dy.dtype:
+        main_grad.addmm_(dy.t(), x)
+    else:
+        main_grad.add_(dy.t().matmul(x))
+
+
+def map_in_place(main_grad: torch.Tensor, weight: torch.Tensor, row, col, layout: tuple,
+                 needs: tuple) -> tuple:
+    """The step's ``G`` in ``main_grad`` [out, in] mapped in place to ``dW = G * scale``;
+    returns (d row, d col) [S, n] (``needs``: which), one linear's vectors."""
+    g = main_grad.view(_shape(1, layout, weight.shape[-1]))
+    _, d_row, d_col = _fold_grads(main_grad[None], (weight,), single(row), single(col),
+                                  layout, (False, *needs))
+    g.mul_(_scale(single(row), single(col), g.dtype))
+    return (None if d_row is None else d_row[0]), (None if d_col is None else d_col[0])
+
+
+try:  # APEX's fused wgrad accumulation (megatron-core's gradient_accumulation_fusion kernel)
+    import fused_weight_gradient_mlp_cuda as _APEX  # noqa: N811
+except ImportError:
+    _APEX = None

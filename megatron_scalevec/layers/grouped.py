@@ -4,7 +4,7 @@
 modules, parameters, names, init and ``sharded_state_dict``), so a checkpoint, an optimizer
 rule or a converter sees no difference; only ``forward`` changes. Per forward:
 
-* the fc1 weights of the local experts are stacked and every expert's vectors folded in one
+* the fc1 weights of the local experts are folded with every expert's vectors in one
   batched operation: ``W1_eff[e] = diag(a^e) W1[e] diag(gamma^e)`` per slot (gate / up), the
   OR / ER parameterizations of all experts evaluated at once (:func:`stacked_gamma`);
 * ``h = grouped_mm(x, W1_eff)`` over the tokens sorted by expert (``offs`` = cumulative ends);

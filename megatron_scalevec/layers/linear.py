@@ -21,8 +21,9 @@ ways to apply it, chosen by ``ScaleVecConfig.apply_mode``:
   for megatron-core's local linears. The effective weight is never kept for backward (it would
   be weight-sized memory per micro-batch in flight): ``_FoldedLinear`` keeps W and the vectors
   and rebuilds it in backward, so nothing weight-sized outlives the micro-batch.
-  Gradient-accumulation fusion is off for these layers since the GEMM's weight is not the leaf
-  parameter.
+  Under megatron-core's DDP with its micro-batch calculator set up, the wgrad GEMM accumulates
+  ``G = dL/dW_eff`` into W's ``main_grad`` and the map back to W and the vectors runs once per
+  optimizer step (layers/fold.py ``StepMap``); elsewhere every micro-batch maps its own.
 * ``activation``: scale the input by each branch's gamma, run the linear (one GEMM per
   distinct input vector), keep that branch's rows, then scale by ``a``. It never touches the
   weight, so it works for linears that own their weight (Transformer Engine, FP8).
@@ -78,7 +79,7 @@ class _FoldedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, row, col, bias, layout, allreduce_dgrad, sequence_parallel,
-                tp_group):
+                tp_group, step=None):
         w_eff = _fold_one(weight, row, col, layout)
         total = sharding.gather_tokens(x, tp_group) if sequence_parallel else x
         out = torch.matmul(total, w_eff.t())
@@ -88,6 +89,7 @@ class _FoldedLinear(torch.autograd.Function):
         ctx.layout, ctx.has_bias = layout, bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel, ctx.tp_group = (
             allreduce_dgrad, sequence_parallel, tp_group)
+        ctx.step = step  # (mode, fold.StepMap) or None
         return out
 
     @staticmethod
@@ -102,14 +104,25 @@ class _FoldedLinear(torch.autograd.Function):
         if ctx.sequence_parallel:
             dx = sharding.reduce_scatter_tokens(dx, ctx.tp_group)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        g_eff = dy2.t().matmul(total.reshape(-1, total.shape[-1]))  # [out, in]
+        total2 = total.reshape(-1, total.shape[-1])
+        d_bias = dy2.sum(0) if ctx.has_bias else None
+        if ctx.step is not None:  # G into main_grad; mapped once per step (fold.StepMap)
+            fold.accumulate_wgrad(weight.main_grad, dy2, total2)
+            d_row = d_col = None
+            if ctx.step[0] == "map":
+                d_row, d_col = fold.map_in_place(weight.main_grad, weight, row, col, ctx.layout,
+                                                 ctx.needs_input_grad[2:4])
+                ctx.step[1].mapped = True
+            # megatron-core's fused path: a placeholder gradient, already in main_grad
+            d_w = torch.empty(weight.main_grad.shape, dtype=dy.dtype, device=dy.device)
+            return dx, d_w, d_row, d_col, d_bias, None, None, None, None, None
+        g_eff = dy2.t().matmul(total2)  # [out, in]
         d_w, d_row, d_col = fold.fold_grads(g_eff, [weight], fold.single(row),
                                             fold.single(col), ctx.layout,
                                             ctx.needs_input_grad[1:4])
         d_w = d_w[0] if d_w is not None else None
         d_row, d_col = (None if d is None else d[0] for d in (d_row, d_col))
-        d_bias = dy2.sum(0) if ctx.has_bias else None
-        return dx, d_w, d_row, d_col, d_bias, None, None, None, None
+        return dx, d_w, d_row, d_col, d_bias, None, None, None, None, None
 
 
 class ScaleVecLinearMixin:
@@ -240,9 +253,10 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
         self._init_scale_vectors(scalevec, branches, config, input_size,
                                  self.output_size_per_partition, self.is_expert,
                                  self.tp_group, mode)
+        self._step_map = fold.StepMap()
         if self.has_scale_vectors and mode == "weight":
-            # The fused wgrad accumulation writes into weight.main_grad; our GEMM weight is
-            # the effective one, so let autograd route the gradient to the parameter.
+            # megatron-core's fused wgrad accumulation would multiply the effective weight's
+            # input; ours accumulates G = dL/dW_eff into main_grad itself (fold.StepMap)
             self.gradient_accumulation_fusion = False
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -270,9 +284,15 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
                 input, self.effective_weight(weight), bias, False,
                 allreduce_dgrad, sequence_parallel, None, None,
                 tp_group=tp_group, **kwargs)
-        row, col = self.fold_vectors()
+        mode = self._step_map.mode(weight)
+        if mode == "accumulate":  # this micro-batch's vector gradient comes with the map
+            with torch.no_grad():
+                row, col = self.fold_vectors()
+        else:
+            row, col = self.fold_vectors()
         return _FoldedLinear.apply(input, weight, row, col, bias, self.fold_layout,
-                                   allreduce_dgrad, sequence_parallel, tp_group)
+                                   allreduce_dgrad, sequence_parallel, tp_group,
+                                   None if mode is None else (mode, self._step_map))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

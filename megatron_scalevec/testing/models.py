@@ -157,19 +157,35 @@ def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1
     return get_megatron_optimizer(cfg, chunks)
 
 
+def set_microbatches(n: Optional[int], micro_batch_size: int = 1) -> None:
+    """megatron-core's micro-batch calculator at ``n`` micro-batches per step on each
+    data-parallel rank (as Megatron-LM sets it up; the fold maps once per step,
+    layers/fold.py ``StepMap``), or unset (``None``: the fold maps every micro-batch)."""
+    from megatron.core import num_microbatches_calculator as calc
+
+    calc.unset_num_microbatches_calculator()
+    if n is not None:
+        dp = parallel_state.get_data_parallel_world_size()
+        calc.init_num_microbatches_calculator(1, None, n * micro_batch_size * dp,
+                                              micro_batch_size, dp)
+
+
 def train_steps(ddp_model, config, data: list, steps: int, optimizer=None,
-                grad_norms: Optional[list] = None, forward_context=None) -> list:
+                grad_norms: Optional[list] = None, forward_context=None,
+                per_step_map: bool = True) -> list:
     """Run ``steps`` iterations over this data-parallel rank's share of ``data``
     (micro-batches); returns the loss of each step averaged over all ranks' micro-batches.
     ``grad_norms`` collects the norm each ``optimizer.step()`` returns. ``ddp_model``: one DDP
     model or a list of virtual pipeline chunks (the interleaved schedule then reads one data
     iterator per chunk, each over the same micro-batches). ``forward_context``: a context
     manager factory around each forward-backward (not the optimizer step), e.g.
-    ``te_stub.cuda_claimed``."""
+    ``te_stub.cuda_claimed``. ``per_step_map``: megatron-core's micro-batch calculator set
+    up, as Megatron-LM does (the fold's gradient map then runs once per step), else unset."""
     chunks = ddp_model if isinstance(ddp_model, list) else [ddp_model]
     dp = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = data[dp_rank::dp]
+    set_microbatches(len(mine) if per_step_map else None, mine[0]["tokens"].shape[0])
     fwd_bwd = get_forward_backward_func()
     config.finalize_model_grads_func = finalize_model_grads
     if chunks[0].ddp_config.align_param_gather:  # as Megatron-LM: the schedule dispatches

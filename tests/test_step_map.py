@@ -1,0 +1,123 @@
+"""The fold's gradient map once per optimizer step (layers/fold.py ``StepMap``): with
+megatron-core's micro-batch calculator set up (as Megatron-LM, Bridge and our trainer do),
+every micro-batch's ``G = dL/dW_eff`` is accumulated into W's ``main_grad`` and the step's last
+micro-batch maps the sum; without it every micro-batch maps its own gradient. Both give the same
+losses, grad norms and SGD updates (relative to each tensor's scale) in one process, at DP2 with
+the distributed optimizer and overlapped reduction, and at TP2 with sequence parallelism; the
+map runs once per folded linear per step; a calculator that disagrees with the schedule's
+micro-batch count is refused in one line."""
+
+import pytest
+
+from megatron_scalevec.layers import fold
+from megatron_scalevec.testing import init_model_parallel, run_on_ranks
+from megatron_scalevec.testing import models as M
+
+STEPS, MICRO = 2, 8
+# Summing 8 micro-batches' gradients in another order changes an fp32 weight gradient by up to
+# 1.3e-4 of its scale (an expert's fc1 here: the per-micro-batch path itself, micro-batches
+# reversed); a wrong map or a map on the wrong micro-batch is off by the vectors' perturbation.
+REL = 1e-3
+
+
+def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=False,
+           experts=0, steps=STEPS, recompute=False):
+    init_model_parallel(tp=tp)
+    kw = dict(sequence_parallel=tp > 1)
+    if recompute:
+        kw.update(recompute_granularity="full", recompute_method="uniform",
+                  recompute_num_layers=1)
+    if experts:
+        kw.update(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24,
+                  moe_aux_loss_coeff=0.0)
+    config = M.tiny_config(**kw)
+    model = M.build_gpt(config, strategy)
+    M.perturb_vectors(model)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ddp = M.wrap_ddp(model, config, dist_opt, overlap_grad_reduce=overlap)
+    opt = M.make_optimizer(ddp, dist_opt, lr=1e-2, optimizer="sgd")
+    maps = [0]
+    real = fold.map_in_place
+
+    def counted(*args):
+        maps[0] += 1
+        return real(*args)
+
+    fold.map_in_place = counted
+    try:
+        norms: list = []
+        losses = M.train_steps(ddp, config, M.batches(MICRO, 2), steps, opt, norms,
+                               per_step_map=per_step)
+    finally:
+        fold.map_in_place = real
+        M.set_microbatches(None)
+    M.sync_params(ddp)
+    folded = sum(1 for m in model.modules() if getattr(m, "_step_map", None) is not None
+                 and m.has_scale_vectors and m.scalevec_mode == "weight")
+    deltas = {n: p.detach() - start[n] for n, p in model.named_parameters()}
+    return dict(losses=losses, norms=norms, deltas=deltas, maps=maps[0], folded=folded,
+                steps=steps)
+
+
+def _compare(world, strategy, **kw):
+    per_step = run_on_ranks(_train, world, strategy, True, **kw)
+    per_micro = run_on_ranks(_train, world, strategy, False, **kw)
+    for a, b in zip(per_step, per_micro):
+        assert a["maps"] == a["steps"] * a["folded"] and b["maps"] == 0, (a["maps"], a["folded"])
+        for x, y in zip(a["losses"] + a["norms"], b["losses"] + b["norms"]):
+            assert abs(x - y) <= 1e-5 * max(abs(y), 1e-3), (a["losses"], b["losses"],
+                                                            a["norms"], b["norms"])
+        rel = M.relative_differences(b["deltas"], a["deltas"])
+        worst = max(rel, key=rel.get)
+        assert rel[worst] < REL, (worst, rel[worst])
+    return per_step
+
+
+@pytest.mark.parametrize("strategy", ["hg+dp", "unified", "hg+dp+er"])
+def test_map_once_per_step_equals_map_per_micro_batch(strategy):
+    r = _compare(1, strategy)[0]
+    assert r["folded"] > 0
+
+
+def test_map_once_per_step_dp2_distributed_optimizer_overlapped():
+    _compare(2, "unified", dist_opt=True, overlap=True)
+
+
+def test_map_once_per_step_tp2_sequence_parallel_moe():
+    # one step: a second one's top-k routing would amplify rounding-level differences
+    _compare(2, "hg+dp+or", tp=2, experts=4, steps=1)
+
+
+def test_map_once_per_step_under_full_recompute():
+    _compare(1, "unified", recompute=True)
+
+
+def _wrong_count(rank, world):
+    init_model_parallel()
+    config = M.tiny_config()
+    model = M.build_gpt(config, "unified")
+    ddp = M.wrap_ddp(model, config)
+    data = M.batches(4, 2)
+    M.set_microbatches(2)  # the schedule below runs 4
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def step(it, m):
+        b = next(it)
+        out = m(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        return out, lambda t: (t.float().mean(), {})
+
+    ddp.zero_grad_buffer()
+    try:
+        get_forward_backward_func()(forward_step_func=step, data_iterator=iter(data), model=[ddp],
+                                    num_microbatches=4, seq_length=M.SEQ, micro_batch_size=2,
+                                    forward_only=False)
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        M.set_microbatches(None)
+    return "no error"
+
+
+def test_a_calculator_that_disagrees_with_the_schedule_is_refused():
+    msg = run_on_ranks(_wrong_count, 1)[0]
+    assert "get_num_microbatches() is 2" in msg, msg
