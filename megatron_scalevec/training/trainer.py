@@ -187,6 +187,15 @@ class Trainer:
                                          use_muon=a.optimizer == "muon", log=self.log.print)
         self.scheduler = scheduler(a, self.optimizer, use_checkpoint=use_ckpt_schedule)
         cfg = self.config
+        # megatron-core's micro-batch calculator, as Megatron-LM sets it up: the folded linears
+        # read it to map their gradient once per step (layers/fold.py StepMap)
+        from megatron.core import num_microbatches_calculator as calc  # noqa: PLC0415
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+
+        calc.unset_num_microbatches_calculator()
+        calc.init_num_microbatches_calculator(
+            ps.get_data_parallel_rank(), None, a.global_batch_size, a.micro_batch_size,
+            ps.get_data_parallel_world_size())
         cfg.finalize_model_grads_func = finalize_model_grads
         cfg.grad_scale_func = self.optimizer.scale_loss
         no_sync = [m.no_sync for m in self.model]
