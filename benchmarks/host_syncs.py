@@ -36,7 +36,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["KINDS", "SyncCounter", "count_host_syncs", "no_cuda_syncs", "stalls"]
+__all__ = ["KINDS", "SyncCounter", "count_host_syncs", "experts_report", "experts_step",
+           "no_cuda_syncs", "stalls"]
 
 KINDS = ("upload", "upload_async", "download", "download_async", "sync")
 aten = torch.ops.aten
@@ -297,3 +298,42 @@ def no_cuda_syncs(fn):
     torch.cuda.synchronize()
     with cuda_sync_errors():
         return fn()
+
+
+def experts_step(experts, counts, hidden: int, device="cpu", host: bool = True,
+                 dtype=torch.float32):
+    """``(step, host_tensors)``: one forward + backward of an MoE layer's ``experts`` module
+    over ``sum(counts)`` rows, with ``tokens_per_expert`` on the host (the allgather / alltoall
+    dispatchers) or on ``device`` (flex, drop-and-pad); inputs built outside the step."""
+    g = torch.Generator().manual_seed(0)
+    rows = sum(counts)
+    x = torch.randn(rows, hidden, generator=g).to(device, dtype).requires_grad_()
+    probs = torch.rand(rows, generator=g).to(device)
+    dy = torch.randn(rows, hidden, generator=g).to(device, dtype)
+    tokens_per_expert = torch.tensor(counts)
+    if not host:
+        tokens_per_expert = tokens_per_expert.to(device)
+
+    def step():
+        out, _ = experts(x, tokens_per_expert, probs)
+        out.backward(dy)
+
+    return step, ((tokens_per_expert,) if host else ())
+
+
+def experts_report(experts, counts, hidden: int, device="cpu", dtype=torch.float32) -> dict:
+    """``{host: counts}`` of :func:`count_host_syncs` for one step of ``experts`` with host and
+    device ``tokens_per_expert`` (``simulate`` on a CPU device). On CUDA (tools/gpu_check.sh)
+    the device-counts step runs first under :func:`no_cuda_syncs` (a warm-up outside it), which
+    raises at the first synchronizing call of ours or megatron-core's."""
+    out = {}
+    cuda = torch.device(device).type == "cuda"
+    for host in (True, False):
+        step, host_tensors = experts_step(experts, counts, hidden, device, host, dtype)
+        if cuda:
+            step()  # warm-up: allocator, kernels, lazy init
+            if not host:
+                no_cuda_syncs(step)
+        r = count_host_syncs(step, host=host_tensors, simulate=not cuda)
+        out[host] = {**r["counts"], "where": r["where"]}
+    return out

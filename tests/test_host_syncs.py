@@ -13,12 +13,12 @@ from test_grouped import moe_config
 from test_te_grouped import _config as te_config
 from test_te_spec import _start, needs_te
 
-from benchmarks.host_syncs import count_host_syncs, stalls
+from benchmarks.host_syncs import count_host_syncs, experts_report, stalls
 from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
 from megatron_scalevec.testing import models as M
 
 DNP = ("unified", "hg+dnp")
-ROWS, HIDDEN, COUNTS = 40, 32, [10, 0, 17, 13]  # an expert without rows
+HIDDEN, COUNTS = 32, [10, 0, 17, 13]  # an expert without rows
 
 
 def _strategy(name):
@@ -27,19 +27,9 @@ def _strategy(name):
     return None if name is None else ScaleVecConfig.from_string(name)
 
 
-def _measure(experts, host: bool) -> dict:
-    """Counts of one forward + backward of ``experts`` over ROWS rows."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(ROWS, HIDDEN, generator=g).requires_grad_()
-    probs, dy = torch.rand(ROWS, generator=g), torch.randn(ROWS, HIDDEN, generator=g)
-    tokens_per_expert = torch.tensor(COUNTS)
-
-    def step():
-        out, _ = experts(x, tokens_per_expert, probs)
-        out.backward(dy)
-
-    r = count_host_syncs(step, host=(tokens_per_expert,) if host else (), simulate=True)
-    return dict(r["counts"], where=r["where"])
+def _measure(experts) -> dict:
+    """{host: counts} of one forward + backward of ``experts``, host / device counts."""
+    return experts_report(experts, COUNTS, HIDDEN)
 
 
 def _local(rank, world):
@@ -51,8 +41,8 @@ def _local(rank, world):
     for name in (None, "shared", *DNP):  # None: megatron-core's (sequential) experts
         config = moe_config(name is not None, moe_layer_freq=1)
         experts = M.build_gpt(config, _strategy(name)).decoder.layers[0].mlp.experts
-        for host in (True, False):
-            out[(name or "stock", host)] = _measure(experts, host)
+        for host, c in _measure(experts).items():
+            out[(name or "stock", host)] = c
     return out
 
 
@@ -79,8 +69,8 @@ def _te(rank, world):
                     linear_fc2=base["TERowParallelGroupedLinear"]), get_default_pg_collection())
             else:
                 experts = M.build_gpt(config, _strategy(name)).decoder.layers[0].mlp.experts
-            for host in (True, False):
-                out[(name or "stock", host)] = _measure(experts, host)
+            for host, c in _measure(experts).items():
+                out[(name or "stock", host)] = c
     return out
 
 
