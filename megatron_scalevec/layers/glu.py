@@ -39,26 +39,54 @@ class ExpertRows(NamedTuple):
     keys: torch.Tensor
 
 
-def expert_rows(counts, device=None, blocks: bool = True) -> ExpertRows:
-    """ExpertRows of ``counts[e]`` rows per expert, in expert order (host counts, as the
-    grouped experts' ``tokens_per_expert``: no device sync); ``blocks=False``: the ids only
-    (no GLU norm to sum vector gradients for)."""
-    n = sum(counts)
-    sizes = torch.tensor(counts, dtype=torch.long)
-    ids = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes.to(device),
-                                  output_size=n)
+def device_counts(counts, device=None) -> torch.Tensor:
+    """``counts`` (a list, or a tensor: the experts' ``tokens_per_expert``) as an int64 tensor
+    on ``device`` without a sync: a tensor already there as it is; host counts in one copy,
+    non-blocking from pinned memory to a GPU (the CPU runs on)."""
+    on_device = isinstance(counts, torch.Tensor) and counts.device.type != "cpu"
+    device = torch.device(device if device is not None else
+                          counts.device if on_device else "cpu")
+    if on_device:
+        return counts.to(device, torch.long)  # as it is (already int64 on the device)
+    host = torch.as_tensor(counts, dtype=torch.long)
+    if device.type != "cpu" and not host.is_pinned():
+        host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
+    return host.to(device, non_blocking=True)
+
+
+def expert_rows(counts, device=None, blocks: bool = True, total: Optional[int] = None
+                ) -> ExpertRows:
+    """ExpertRows of ``counts[e]`` rows per expert, in expert order; ``blocks=False``: the ids
+    only (no GLU norm to sum vector gradients for). ``counts``: host counts (a list or CPU
+    tensor, as the grouped experts' ``tokens_per_expert``: one non-blocking upload,
+    :func:`device_counts`), or a tensor on ``device`` (nothing copied; give ``total``, the
+    number of rows, or its sum is read back). Built on the device with host-known sizes only
+    (no sync): the blocks spanning experts are found from the experts' ends, at most E - 1,
+    padded to that fixed size (one shape per E)."""
+    sizes = device_counts(counts, device)
+    if total is None:
+        total = sum(counts) if isinstance(counts, (list, tuple)) else int(counts.sum())
+    n, e, dev = total, sizes.numel(), sizes.device
+    ids = torch.repeat_interleave(torch.arange(e, device=dev), sizes, output_size=n)
     if n == 0 or not blocks:
         return ExpertRows(ids, None, ids)
     ends = sizes.cumsum(0)
-    starts = torch.arange(0, n, BLOCK)
+    starts = torch.arange(0, n, BLOCK, device=dev)
     first = torch.searchsorted(ends, starts, right=True)  # the expert of each block's rows
     last = torch.searchsorted(ends, (starts + BLOCK - 1).clamp(max=n - 1), right=True)
-    rows = (starts[first != last, None] + torch.arange(BLOCK)).flatten()
-    row_keys = torch.where(rows < n, torch.searchsorted(ends, rows, right=True), -1)
-    pad = max(len(counts) - 1, 1) * BLOCK - rows.numel()  # a fixed size: one shape per E
-    rows = torch.cat([rows.clamp(max=n - 1), rows.new_zeros(pad)])
-    keys = torch.cat([torch.where(first == last, first, -1), row_keys, rows.new_full((pad,), -1)])
-    return ExpertRows(ids, rows.to(device), keys.to(device))
+    # a block spans experts iff an expert's end falls strictly inside it: the (distinct)
+    # blocks of the inner ends, in order, then `none` (a sentinel) up to the fixed size
+    none = starts.numel()
+    cut = ends[:max(e - 1, 1)]
+    inner = (cut % BLOCK != 0) & (cut < n)
+    block = torch.where(inner, cut // BLOCK, -1)
+    seen = torch.cat([block.new_full((1,), -1), block[:-1].cummax(0).values])
+    span = torch.where(inner & (block > seen), block, none).sort().values
+    valid = (span < none)[:, None].expand(-1, BLOCK).flatten()
+    rows = (span[:, None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten()
+    row_keys = torch.where(valid & (rows < n), torch.searchsorted(ends, rows, right=True), -1)
+    rows = torch.where(valid, rows.clamp(max=n - 1), 0)
+    return ExpertRows(ids, rows, torch.cat([torch.where(first == last, first, -1), row_keys]))
 
 
 def _act_and_grad(act, x):

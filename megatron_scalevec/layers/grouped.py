@@ -187,13 +187,17 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                 raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
             x = (probs.unsqueeze(-1) * x).to(x.dtype)
             probs = torch.ones_like(probs)
-        counts = [int(c) for c in torch.as_tensor(tokens_per_expert).tolist()]
-        if len(counts) != self.num_local_experts or sum(counts) != x.shape[0]:
-            raise ValueError(f"tokens_per_expert {counts} does not cover the {x.shape[0]} "
-                             f"rows of {self.num_local_experts} local experts")
-        ends = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        offs = ends.to(x.device)
-        rows = glu.expert_rows(counts, x.device, blocks=self.local_experts[0].up_norm is not None)
+        # No host read of device counts, one non-blocking upload of host counts (glu.py)
+        counts = torch.as_tensor(tokens_per_expert)
+        if counts.numel() != self.num_local_experts:
+            raise ValueError(f"tokens_per_expert has {counts.numel()} counts for "
+                             f"{self.num_local_experts} local experts")
+        torch._assert_async(counts.sum() == x.shape[0],  # where the counts are: no sync
+                            f"tokens_per_expert does not cover the {x.shape[0]} rows")
+        sizes = glu.device_counts(counts, x.device)
+        offs = sizes.cumsum(0, dtype=torch.int32)
+        rows = glu.expert_rows(sizes, x.device, blocks=self.local_experts[0].up_norm is not None,
+                               total=x.shape[0])
         experts = self.local_experts
         # The experts' linears are read here, not called: their hooks first (sharding.ready)
         sharding.ready([m for e in experts for m in (e.linear_fc1, e.linear_fc2)])

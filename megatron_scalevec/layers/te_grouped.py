@@ -253,7 +253,8 @@ def make_grouped_mlp_class(base):
                 x = (probs * x).to(x.dtype)
                 probs = torch.ones_like(probs)
             h, _ = self.linear_fc1(x, padded)  # built with skip_bias_add=False: bias added
-            rows = glu.expert_rows(padded, h.device)
+            rows = glu.expert_rows(tokens_per_expert if padded is counts else padded, h.device,
+                                   total=h.shape[0])  # device counts as they are, no sync
             a_g, a_u = expert_norm_vectors(self.experts_view, cfg)
             norm = self.experts_view[0].up_norm
 
