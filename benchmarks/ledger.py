@@ -98,16 +98,49 @@ class Traffic(TorchDispatchMode):
     views and bare allocations move nothing.
     ``by_op`` keeps the bytes per op name (what a difference between variants comes from)."""
 
+    active: list = []  # the Traffic modes entered, innermost last
+
     def __init__(self):
         super().__init__()
         self.bytes = 0
         self.by_op: collections.Counter = collections.Counter()
+        self.quiet = 0
+
+    def __enter__(self):
+        Traffic.active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        Traffic.active.remove(self)
+        return super().__exit__(*exc)
+
+    @staticmethod
+    def one_op(eager, name: str):
+        """``eager`` counted as one fused kernel while a Traffic is entered (its tensor
+        arguments read, its outputs written, none of its own intermediates): what a compiled
+        kernel body pays. Outside, it runs as it is."""
+
+        @functools.wraps(eager)
+        def call(*args):
+            if not Traffic.active:
+                return eager(*args)
+            self = Traffic.active[-1]
+            self.quiet += 1
+            try:
+                out = eager(*args)
+            finally:
+                self.quiet -= 1
+            n = sum(t.numel() * t.element_size() for t in _tensors(args) + _tensors(out))
+            self.bytes += n
+            self.by_op[f"fused:{name}"] += n
+            return out
+        return call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         aliases, written = _alias_or_write(func)
-        if aliases or func in _FREE:
+        if self.quiet or aliases or func in _FREE:
             return out
         # a written argument is read too (``add_``), unless the op only writes it
         unread = written if func in _WRITE_ONLY else {n for n in written if

@@ -103,3 +103,19 @@ def test_collectives_of_a_known_sequence():
 
 def test_split_per_step_and_per_micro_batch():
     assert split(10 + 3, 10 + 4 * 3, 4) == (10, 3)
+
+
+def test_a_fused_body_counts_as_one_kernel():
+    """Traffic.one_op: a fused kernel reads its inputs and writes its outputs once; eager, the
+    same body also writes and reads its intermediate (a * 2)."""
+    a = torch.randn(256)
+
+    def body(x):
+        return x * 2 + 1
+
+    with Traffic() as eager:
+        body(a)
+    with Traffic() as fused:
+        Traffic.one_op(body, "body")(a)
+    assert eager.bytes == 4 * 1024 and fused.bytes == 2 * 1024, (eager.by_op, fused.by_op)
+    assert fused.by_op == {"fused:body": 2 * 1024}
