@@ -107,7 +107,8 @@ def _n_batches(args, dp):
     return a
 
 
-def _start(layout: str, tp: int = 1, ep: int = 1, threads=None) -> None:
+def _start(layout: str, args, tp: int = 1, ep: int = 1, threads=None) -> None:
+    """In a forked rank: threads, TE's Python over the stand-in, parallel state, data sizes."""
     from megatron_scalevec.testing import init_model_parallel
     from megatron_scalevec.testing import models as M
 
@@ -120,15 +121,14 @@ def _start(layout: str, tp: int = 1, ep: int = 1, threads=None) -> None:
 
         te_stub.activate()
     init_model_parallel(tp=tp, ep=ep)
-    M.VOCAB, M.SEQ = _start.vocab, _start.seq
+    M.VOCAB, M.SEQ = args.vocab, args.seq_length
 
 
 def _single(rank, world, layout, moe, args) -> dict:
     """World 1: kept bytes, traffic, host syncs, step time, folded parameters per variant."""
     from benchmarks.multi_tensor import multi_tensor_kernels
 
-    _start.vocab, _start.seq = args.vocab, args.seq_length
-    _start(layout, threads=args.threads or 2)
+    _start(layout, args, threads=args.threads or 2)
     m, out = args.ledger_micro_batches, {}
     with multi_tensor_kernels():
         for name in args.variants:
@@ -148,7 +148,7 @@ def _single(rank, world, layout, moe, args) -> dict:
                     t.step(k)
                 row[f"traffic{k}"], row[f"fused{k}"] = tr.bytes, fused.bytes
                 row[f"ops{k}"] = dict(tr.by_op)
-            with t.context() if t.context else _null():
+            with t.context() if t.context else contextlib.nullcontext():
                 row["kept"] = kept_bytes(t.forward)
                 row["hooks"] = overhead.saved_activation_bytes(t.forward)
             for k in (1, 2):
@@ -161,8 +161,7 @@ def _single(rank, world, layout, moe, args) -> dict:
 
 def _collectives(rank, world, layout, moe, args, tp, sp, ep) -> dict:
     """World 2 at one parallel layout: rank 0's collectives by name at 1 and 2 micro-batches."""
-    _start.vocab, _start.seq = args.vocab, args.seq_length
-    _start(layout, tp=tp, ep=ep)
+    _start(layout, args, tp=tp, ep=ep)
     out = {}
     for name in args.variants:
         try:
@@ -203,14 +202,6 @@ def _fused_as_one_op():
     finally:
         for m in mods:
             m._kernel = original
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------- the tables
@@ -303,6 +294,8 @@ def report(args, layout: str, moe: bool, res: dict) -> str:
         if peaks:
             cells += [f"{peaks[v] / 2**20:.0f}"] + [f"{peaks[v] / peaks[x]:.3f}" for x in refs]
         lines.append("| " + " | ".join(cells) + " |")
+    if not all(r["fused_one_op"] for r in rows.values()):
+        lines.append("- no fused kernel bodies found (layers/fused.py _kernel): +fused = +traffic")
     lines += _footnotes(coll, rows, layers) + _top_ops(rows, base, m, folded)
     return "\n".join(lines)
 
