@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import re
 import statistics
 import sys
@@ -246,17 +247,26 @@ def _syncs_per_mb(row) -> float:
     return split(one, two, 2)[1]
 
 
+def _reference(counts) -> tuple:
+    """(name, counts) of the variant collectives are compared with: stock, else ``shared``
+    where the layout refused stock (the local spec's torch norm has no SP), else none."""
+    for ref in ("stock", "shared"):
+        if isinstance(counts.get(ref), dict):
+            return ref, counts[ref]
+    return None, None
+
+
 def _coll_cell(counts, name, layers) -> str:
-    """Collectives per layer a micro-batch / a step that ``name`` adds to stock (``abs``: all
-    of them, where stock was refused)."""
+    """Collectives per layer a micro-batch / a step that ``name`` adds to stock (``vs
+    shared``: stock was refused there)."""
     if isinstance(counts, str) or isinstance(counts.get(name), str):
         return "n/a"
-    base = counts.get("stock")
-    base = None if isinstance(base, str) else base
+    ref, base = _reference(counts)
     total = {k: sum(counts[name][k].values()) - (sum(base[k].values()) if base else 0)
              for k in (1, 2)}
     step, mb = split(total[1], total[2], 2)
-    return f"{mb / layers:+.3g} / {step / layers:+.3g}" + ("" if base else " abs")
+    note = "" if ref == "stock" else " vs shared" if ref else " abs"
+    return f"{mb / layers:+.3g} / {step / layers:+.3g}{note}"
 
 
 def report(args, layout: str, moe: bool, res: dict) -> str:
@@ -327,14 +337,14 @@ def _footnotes(coll, rows, layers) -> list:
             continue
         refused = {v: c for v, c in counts.items() if isinstance(c, str)}
         out += [f"- {pname} {v}: not built ({why})" for v, why in refused.items()]
-        stock = None if "stock" in refused else counts.get("stock")
+        ref, stock = _reference(counts)
         if stock:
             names = sorted(set(stock[1]) | set(stock[2]))
             per = {n: split(stock[1].get(n, 0), stock[2].get(n, 0), 2) for n in names}
-            out.append(f"- {pname} stock, per layer a micro-batch / a step: " + ", ".join(
+            out.append(f"- {pname} {ref}, per layer a micro-batch / a step: " + ", ".join(
                 f"{n} {mb / layers:.2g} / {st / layers:.2g}" for n, (st, mb) in per.items()))
         for v in rows:
-            if v == "stock" or not stock or v in refused:
+            if v == ref or not stock or v in refused:
                 continue
             names = sorted(set(counts[v][1]) | set(counts[v][2]) | set(stock[1]))
             diff = {n: split(counts[v][1].get(n, 0) - stock[1].get(n, 0),
@@ -362,6 +372,7 @@ def build_parser():
     p.add_argument("--kinds", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
     p.add_argument("--no-collectives", action="store_true",
                    help="skip the two-rank collective counts (TP2, TP2+SP, EP2)")
+    p.add_argument("--json", help="append each table's raw measurements to this file")
     p.add_argument("--timeout", type=float, default=900, help="seconds per forked run")
     return p
 
@@ -378,5 +389,8 @@ def main(argv=None) -> None:
             continue
         for kind in args.kinds:
             res = measure(args, layout, kind == "moe")
+            if args.json:  # the raw counts, to compare runs (a fold rewrite) without rerunning
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(dict(layout=layout, kind=kind, **res)) + "\n")
             print(report(args, layout, kind == "moe", res), flush=True)
             print()
