@@ -98,6 +98,7 @@ class _Trainer:
                            forward_context=self.context)
 
     def forward(self):
+        self.ddp.zero_grad_buffer()  # a step's first micro-batch (the fold counts them)
         b = self.data[0]
         return self.model(b["tokens"], b["position_ids"], None, labels=b["labels"])
 

@@ -228,8 +228,9 @@ class StepMap:
         if self.seen > n:
             raise RuntimeError(
                 f"scale vectors: training forward {self.seen} of a folded linear in one step, "
-                f"but get_num_microbatches() is {n}: set megatron-core's micro-batch calculator "
-                f"to the num_microbatches given to forward_backward_func")
+                f"but get_num_microbatches() is {n}: call the DDP model's zero_grad_buffer() "
+                f"at the start of every training step (as Megatron-LM does) and give "
+                f"forward_backward_func the calculator's num_microbatches")
         return "map" if self.seen == n else "accumulate"
 
 
