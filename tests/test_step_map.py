@@ -92,13 +92,12 @@ def test_map_once_per_step_under_full_recompute():
     _compare(1, "unified", recompute=True)
 
 
-def _wrong_count(rank, world):
+def _wrong_count(rank, world, calculator, schedule):
     init_model_parallel()
     config = M.tiny_config()
     model = M.build_gpt(config, "unified")
     ddp = M.wrap_ddp(model, config)
-    data = M.batches(4, 2)
-    M.set_microbatches(2)  # the schedule below runs 4
+    data = M.batches(schedule, 2)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def step(it, m):
@@ -106,11 +105,14 @@ def _wrong_count(rank, world):
         out = m(b["tokens"], b["position_ids"], None, labels=b["labels"])
         return out, lambda t: (t.float().mean(), {})
 
-    ddp.zero_grad_buffer()
+    M.set_microbatches(calculator)
     try:
-        get_forward_backward_func()(forward_step_func=step, data_iterator=iter(data), model=[ddp],
-                                    num_microbatches=4, seq_length=M.SEQ, micro_batch_size=2,
-                                    forward_only=False)
+        for _ in range(2):
+            ddp.zero_grad_buffer()
+            get_forward_backward_func()(
+                forward_step_func=step, data_iterator=iter(data), model=[ddp],
+                num_microbatches=schedule, seq_length=M.SEQ, micro_batch_size=2,
+                forward_only=False)
     except RuntimeError as err:
         return str(err)
     finally:
@@ -119,5 +121,7 @@ def _wrong_count(rank, world):
 
 
 def test_a_calculator_that_disagrees_with_the_schedule_is_refused():
-    msg = run_on_ranks(_wrong_count, 1)[0]
-    assert "get_num_microbatches() is 2" in msg, msg
+    more = run_on_ranks(_wrong_count, 1, 2, 4)[0]  # the schedule runs more micro-batches
+    assert "get_num_microbatches() is 2" in more, more
+    fewer = run_on_ranks(_wrong_count, 1, 4, 2)[0]  # ... fewer: the map never ran
+    assert "never mapped" in fewer, fewer

@@ -208,7 +208,7 @@ class StepMap:
 
     def __init__(self):
         self.seen = 0
-        self.mapped = True
+        self.accumulated = self.mapped = False  # set by the linear's backward
 
     def mode(self, weight: torch.Tensor) -> Optional[str]:
         n = microbatches()
@@ -216,13 +216,14 @@ class StepMap:
                 or not weight.requires_grad:
             return None
         if not getattr(weight, "grad_added_to_main_grad", False):  # DDP zeroed: a new step
-            if self.seen and not self.mapped:
+            if self.accumulated and not self.mapped:
                 raise RuntimeError(
-                    f"scale vectors: the last optimizer step ran {self.seen} training forwards "
-                    f"of a folded linear but mapped no gradient (expected {n} micro-batches, "
-                    f"get_num_microbatches()); forward_backward_func's num_microbatches must "
-                    f"match megatron-core's micro-batch calculator")
-            self.seen, self.mapped = 0, False
+                    f"scale vectors: the last optimizer step accumulated a folded linear's "
+                    f"gradient over {self.seen} training forwards but never mapped it "
+                    f"(expected {n} micro-batches, get_num_microbatches()); "
+                    f"forward_backward_func's num_microbatches must match megatron-core's "
+                    f"micro-batch calculator")
+            self.seen, self.accumulated, self.mapped = 0, False, False
             weight.grad_added_to_main_grad = True  # G goes to main_grad, never through .grad
         self.seen += 1
         if self.seen > n:

@@ -108,6 +108,7 @@ class _FoldedLinear(torch.autograd.Function):
         d_bias = dy2.sum(0) if ctx.has_bias else None
         if ctx.step is not None:  # G into main_grad; mapped once per step (fold.StepMap)
             fold.accumulate_wgrad(weight.main_grad, dy2, total2)
+            ctx.step[1].accumulated = True
             d_row = d_col = None
             if ctx.step[0] == "map":
                 d_row, d_col = fold.map_in_place(weight.main_grad, weight, row, col, ctx.layout,
