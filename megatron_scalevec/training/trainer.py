@@ -135,6 +135,12 @@ class Trainer:
         except BaseException:
             self.log.discard()  # a refusal (or any failure) before training leaves nothing
             raise
+        if found is not None:
+            dropped = self.log.drop_after(self.iteration)
+            if dropped:
+                self.log.print(f"metrics.jsonl: {dropped} row(s) past iteration "
+                               f"{self.iteration} (the stopped run's) dropped; this run "
+                               f"writes them again")
 
     def _check_start(self, checkpointing):
         """The checkpoint to resume and the schedule rule (checkpointing.py), or the weights to
