@@ -471,7 +471,7 @@ def _fail(e: BaseException, code: int) -> None:
         prefix = f"[rank {rank}] " if "RANK" in os.environ and rank != 0 else ""
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
     elif "RANK" in os.environ:
-        time.sleep(1.0)  # rank 0 prints the same line before torchrun stops the others
+        time.sleep(10.0)  # rank 0 prints the same line and exits; torchrun then stops us
     sys.stdout.flush()
     os._exit(code)  # no atexit work: a dead peer must not hang the exit in a collective
 
