@@ -191,14 +191,14 @@ def decay_summary(rules: Sequence[DecayRule], model_chunks, weight_decay: float,
                            f"{scalevec.to_string()!r}: the model does not carry the scale-vector "
                            f"attributes the strategy implies (built with the wrong spec?)")
     svwd = scalevec.scale_vector_weight_decay
-    lines = [f"weight decay groups (strategy {scalevec.to_string()}, matrices wd={weight_decay}, "
-             f"scale-vector wd={weight_decay if svwd is None else svwd}; this rank's shards):",
-             f"  {'rule':<18}{'decay':>7}{'tensors':>9}{'params':>13}"]
+    lines = [f"weight decay groups (strategy {scalevec.to_string()}; the wd each rule applies, "
+             f"before the schedule; this rank's shards):",
+             f"  {'rule':<18}{'wd':>7}{'tensors':>9}{'params':>13}"]
     for r in rules:
-        decay = "yes" if (r.decays if r.name != "input_vectors" else
-                          (svwd if svwd is not None else weight_decay) > 0) else "no"
+        wd = (svwd if svwd is not None else weight_decay) if r.name == "input_vectors" else \
+            (weight_decay if r.decays else 0.0)
         n_t, n_p = counts[r.name]
-        lines.append(f"  {r.name:<18}{decay:>7}{n_t:>9}{n_p:>13,}")
+        lines.append(f"  {r.name:<18}{wd:>7g}{n_t:>9}{n_p:>13,}")
     return "\n".join(lines)
 
 

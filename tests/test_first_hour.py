@@ -307,3 +307,47 @@ def test_tp2_sp_run_prints_no_library_warnings(tmp_path):
     head = p.stdout.split("iter      1/2")[0].splitlines()
     table = [x for x in head if re.match(r"  \w+ \.+ ", x)]
     assert len(head) - len(table) < 20, p.stdout
+
+
+# --- 7. issue 40: refusals that name the real reason ----------------------------------------
+@pytest.mark.parametrize("target, flags", [("stock", []),
+                                           ("hg+dp+er", ["--allow-function-change"])])
+def test_dnp_checkpoint_conversion_names_why_it_cannot_fold(ck, tmp_path, target, flags):
+    out = tmp_path / "out"
+    line = _one_line(_cli(CONVERT, "--load", str(ck), "--to", target, "--save", str(out),
+                          *flags))
+    assert f"to {target}: its DNP normalizations on branches ['gate', 'up', 'v']" in line, line
+    assert "not even with --allow-function-change" in line and "hg+dp+or" in line, line
+    assert "stock megatron-core model" not in line, line
+    assert not out.exists()
+
+
+def test_run_dir_without_checkpoint_is_named_so(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 1, "loss": 1.0}\n')
+    (run / "config.json").write_text('{"spec": "scalevec_dense"}')  # what the trainer writes
+    line = _one_line(_cli(CONVERT, "--load", str(run), "--to", "hf", "--save",
+                          str(tmp_path / "out")))
+    assert "a run directory without a checkpoint" in line and "Hugging Face" not in line, line
+
+
+def test_pretrained_checkpoint_without_safetensors_is_one_line(llama_ws, tmp_path):
+    base, _ = llama_ws
+    code = ("import sys; sys.modules['safetensors'] = None; "
+            "from megatron_scalevec.training.trainer import cli; cli()")
+    run = tmp_path / "run"
+    line = _one_line(_cli("-c", code, *RUN_SIZES, *FAMILIES["llama"][2],
+                          "--pretrained-checkpoint", str(base / "ws"), "--save", str(run)))
+    assert "needs the optional package 'safetensors'" in line, line
+    assert "pip install 'megatron_scalevec[convert]'" in line and not run.exists(), line
+
+
+def test_flag_refusal_under_torchrun_is_printed_once(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    p = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2",
+                        os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--lr", "-1",
+                        "--run-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=240)
+    assert p.returncode != 0
+    assert p.stderr.count("error: --lr -1.0 must be > 0") == 1, p.stderr[-3000:]

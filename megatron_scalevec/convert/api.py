@@ -36,7 +36,7 @@ from megatron_scalevec.convert.io import (
     save_full,
     verify_checkpoint_files,
 )
-from megatron_scalevec.convert.warmstart import warm_start
+from megatron_scalevec.convert.warmstart import FunctionChangeError, warm_start
 
 FORMATS = ("full", "dist")
 
@@ -46,6 +46,10 @@ def detect(path: str) -> str:
         return "full"
     if is_dist_checkpoint(path):
         return "dist"
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        raise FileNotFoundError(f"{path}: a run directory without a checkpoint (metrics.jsonl "
+                                f"but no latest/iter_N): train with --save {path} (the "
+                                f"trainer's --save dir is what --load converts)")
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf"
     raise FileNotFoundError(f"{path}: not a full (model.safetensors + scalevec_arch.json), dist "
@@ -120,7 +124,14 @@ def convert(source: str, output: str, target: str, *, arch: Optional[ModelArch] 
         # same strategy: a change of format/layout only (works for DNP models too)
         write_checkpoint(sd, src_arch, output, fmt, overwrite, tokenizer)
         return {**report, "max_logit_diff": 0.0}
-    stock_sd, stock_arch = fold_state_dict(sd, src_arch)
+    try:  # every other target is reached through the exact fold to stock
+        stock_sd, stock_arch = fold_state_dict(sd, src_arch)
+    except FunctionChangeError as e:
+        raise FunctionChangeError(
+            f"cannot convert {source} ({src_arch.scalevec}) to {target}: {e}. Instead: "
+            f"--to {src_arch.scalevec} --format dist/full (same strategy, any layout), --to hf "
+            f"(exports modeling_scalevec.py), or train with a strategy without DNP (e.g. "
+            f"hg+dp+or), which folds to stock exactly") from None
     if target == STOCK:
         out_sd, out_arch = stock_sd, stock_arch
         report["max_logit_diff"] = _diff_to_source(sd, src_arch, stock_sd, stock_arch)

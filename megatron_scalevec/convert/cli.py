@@ -63,6 +63,9 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=_MISSING_BACKEND)
         warnings.filterwarnings("ignore", message="full scope is deprecated",
                                 category=UserWarning)
+        # torch's deprecations inside megatron-core's dist-checkpoint load (load_state_dict,
+        # ShardedTensor): library internals, not the user's to act on
+        warnings.filterwarnings("ignore", category=FutureWarning)
         try:
             report = _run(args)
         except ImportError as e:

@@ -68,9 +68,9 @@ def fold_to_stock(model, arch: ModelArch, keep_dnp: bool = False):
         where = "; ".join(f"{b}: {len(layers)} layer(s), e.g. {layers[0]}"
                           for b, layers in bad.items())
         raise FunctionChangeError(
-            f"cannot fold to a stock megatron-core model: DNP normalizations on branches "
-            f"{sorted(bad)} ({where}) have no stock equivalent (only Q/K norms map to "
-            f"qk_layernorm). Keep this checkpoint in the scale-vector format")
+            f"its DNP normalizations on branches {sorted(bad)} ({where}) have no stock "
+            f"equivalent and cannot be folded into weights (only Q/K norms map to "
+            f"qk_layernorm), not even with --allow-function-change")
     modules = dict(model.named_modules())
     state = model.state_dict()
     out: StateDict = {}

@@ -19,6 +19,11 @@ ARCH_DEFAULTS = {"norm_epsilon": 1e-5, "rotary_base": 10000.0, "moe_router_pre_s
 _ARCH_FIELDS = {"norm_epsilon": "layernorm_epsilon", "rotary_base": "rotary_base",
                 "moe_router_pre_softmax": "moe_router_pre_softmax"}
 DECAY_STYLES = ("cosine", "linear", "constant", "WSD")
+# MEGATRON_SCALEVEC_TINY=1: smaller defaults (flags given still win), so the documented commands
+# run as written in seconds; the tests of README.md and docs/usage.md set it.
+TINY_ENV = "MEGATRON_SCALEVEC_TINY"
+TINY_DEFAULTS = dict(num_layers=2, hidden_size=64, seq_length=32, micro_batch_size=2,
+                     train_iters=4, log_interval=2, eval_interval=2, eval_iters=1)
 
 
 class ArgumentError(ValueError):
@@ -156,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl and the loss plot go (default: --save, else "
-                        "runs/<spec>)")
+                        "runs/<spec>-<strategy>-l<layers>-h<hidden>[-e<experts>][-tp<n>]"
+                        "[-pp<n>][-ep<n>][-dp<n>]-s<seed>, layout parts only when > 1)")
     g.add_argument("--no-plot", action="store_true", help="do not write loss.png at the end")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -180,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true",
                    help="reuse a run dir / --save dir that holds another run")
     g.add_argument("--quiet", action="store_true", help="log to the JSONL file only")
+    if os.environ.get(TINY_ENV, "") not in ("", "0"):
+        p.set_defaults(**TINY_DEFAULTS)
     return show_defaults(p)
 
 
@@ -379,8 +387,11 @@ def _arch_from_checkpoint(a) -> None:
 def default_run_name(a) -> str:
     """A run-dir name from the configuration: spec, strategy, sizes, seed."""
     moe = f"-e{a.num_experts}" if a.num_experts else ""
+    layout = "".join(f"-{k}{v}" for k, v in (
+        ("tp", a.tensor_model_parallel_size), ("pp", a.pipeline_model_parallel_size),
+        ("ep", a.expert_model_parallel_size), ("dp", a.data_parallel_size)) if v > 1)
     return (f"{a.spec}-{a.scalevec.replace('+', '_')}-l{a.num_layers}-h{a.hidden_size}{moe}"
-            f"-s{a.seed}")
+            f"{layout}-s{a.seed}")
 
 
 def _refuse_other_run(a) -> None:

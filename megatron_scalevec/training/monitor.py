@@ -139,6 +139,24 @@ class MetricsLog:
                 if k != "iteration" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step)
 
+    def drop_after(self, iteration: int) -> int:
+        """On resume: rows past the checkpoint's ``iteration`` (the stopped run's, trained again
+        now) and a torn last line leave ``metrics.jsonl``, so its iterations run once, in
+        order. Rewritten atomically; returns the number of rows dropped."""
+        if not self.enabled:
+            return 0
+        self.file.close()
+        with open(self.path) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if _row_iteration(line) <= iteration]
+        if len(keep) != len(lines):
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(keep)
+            os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+        return len(lines) - len(keep)
+
     def discard(self) -> None:
         """Close and remove what this log created (a run refused before its first step leaves
         no files behind); files of a resumed run are kept."""
@@ -156,3 +174,11 @@ class MetricsLog:
             self.file.close()
             if self.tb is not None:
                 self.tb.close()
+
+
+def _row_iteration(line: str) -> float:
+    """A metrics row's iteration (0 for rows without one, infinity for a torn line)."""
+    try:
+        return json.loads(line).get("iteration", 0)
+    except (ValueError, AttributeError):
+        return float("inf")

@@ -205,6 +205,8 @@ def check_weights_source(path: str, ours: ModelArch) -> str:
                 pass
     except (ValueError, FileNotFoundError) as e:  # PretrainedError is a ValueError
         raise PretrainedError(str(e)) from None
+    except ImportError as e:  # safetensors for our full format: the extra that brings it
+        raise PretrainedError(f"--pretrained-checkpoint {path}: {e}") from None
     return src
 
 

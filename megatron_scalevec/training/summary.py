@@ -111,6 +111,8 @@ def parameter_counts(model, device) -> tuple:
                 owner = dp_rank == 0 and (split or tp_rank == 0)
             if getattr(p, "shared_embedding", False) and not first_stage:
                 owner = False  # the tied output layer repeats the embedding
+            if getattr(p, "shared", False):
+                owner = False  # a replica of another rank's copy (sharding.mark_expert)
             if owner:
                 total += p.numel()
                 vectors += p.numel() if hasattr(p, "scalevec_role") else 0

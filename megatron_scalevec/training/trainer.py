@@ -135,6 +135,12 @@ class Trainer:
         except BaseException:
             self.log.discard()  # a refusal (or any failure) before training leaves nothing
             raise
+        if found is not None:
+            dropped = self.log.drop_after(self.iteration)
+            if dropped:
+                self.log.print(f"metrics.jsonl: {dropped} row(s) past iteration "
+                               f"{self.iteration} (the stopped run's) dropped; this run "
+                               f"writes them again")
 
     def _check_start(self, checkpointing):
         """The checkpoint to resume and the schedule rule (checkpointing.py), or the weights to
@@ -384,6 +390,16 @@ def _plot(args, log):
         log.print(f"no loss plot ({e}); metrics are in {log.path}")
 
 
+def _parse_once(argv, world_size: int):
+    """parse_args; on one node every rank reads the same flags and files and fails alike, so
+    rank 0 alone prints the refusal (``collective``)."""
+    try:
+        return parse_args(argv, world_size=world_size)
+    except ArgumentError as e:
+        e.collective = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+        raise
+
+
 def main(argv=None) -> list:
     """Entry point (console script ``megatron-scalevec-pretrain``). Returns the losses."""
     with summary.library_deprecations_silenced():
@@ -395,7 +411,7 @@ def _main(argv) -> list:
     from megatron_scalevec.training.pretrained import PretrainedError  # noqa: PLC0415
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv, world_size=_world_size_hint())  # raises before any output
+    args = _parse_once(argv, _world_size_hint())  # raises before any output
     faults.kill_children_with_parent()  # checkpoint writer processes die with us
     folded = []
     with summary.folded_backend_warnings(folded):
@@ -404,7 +420,7 @@ def _main(argv) -> list:
 
     started = time.time()
     created = _init_distributed(args)
-    args = parse_args(argv, world_size=dist.get_world_size())
+    args = _parse_once(argv, dist.get_world_size())
     if args.fused_compile is not None:
         from megatron_scalevec.layers import fused  # noqa: PLC0415
 
@@ -463,6 +479,8 @@ def _fail(e: BaseException, code: int) -> None:
     if rank == 0 or not getattr(e, "collective", False):
         prefix = f"[rank {rank}] " if "RANK" in os.environ and rank != 0 else ""
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+    elif "RANK" in os.environ:
+        time.sleep(10.0)  # rank 0 prints the same line and exits; torchrun then stops us
     sys.stdout.flush()
     os._exit(code)  # no atexit work: a dead peer must not hang the exit in a collective
 

@@ -1,0 +1,91 @@
+"""What a run reports agrees with itself (issue 40): the parameter counts are the model's at
+every layout, the decay table states the decay each rule applies, and after a resume
+``metrics.jsonl`` continues from the checkpoint's iteration without the stopped run's rows."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from megatron_scalevec.testing import run_on_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_trainer import TINY  # noqa: E402
+
+MOE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
+       "--num-attention-heads", "4", "--seq-length", "16", "--sequence-parallel"]
+
+
+def _counts(rank, world, tp, ep, extra, run_dir):
+    from megatron_scalevec.testing.distributed import init_model_parallel
+    from megatron_scalevec.training import build, summary
+    from megatron_scalevec.training.arguments import parse_args
+
+    a = parse_args(MOE + ["--tensor-model-parallel-size", str(tp),
+                          "--expert-model-parallel-size", str(ep), "--run-dir", run_dir,
+                          *extra], world_size=world)
+    init_model_parallel(tp=tp, ep=ep)
+    model = build.build_model(a, build.transformer_config(a, 64), 64)
+    return summary.parameter_counts(model if isinstance(model, list) else [model], "cpu")
+
+
+@pytest.mark.parametrize("extra", [[], ["--expert-vectors", "shared"]])
+def test_parameter_counts_do_not_depend_on_the_layout(extra, tmp_path):
+    """Replicated vectors (expert vectors over expert-TP) are counted once, not per rank."""
+    run = str(tmp_path / "r")
+    one = run_on_ranks(_counts, 1, 1, 1, extra, run)[0]
+    assert run_on_ranks(_counts, 2, 2, 1, extra, run)[0] == one, "TP=2"
+    assert run_on_ranks(_counts, 2, 1, 2, extra, run)[0] == one, "EP=2"
+
+
+def _table(rank, world, strategy, svwd):
+    from megatron_scalevec.config import ScaleVecConfig
+    from megatron_scalevec.optim import decay_rules, decay_summary
+    from megatron_scalevec.testing.distributed import init_model_parallel
+    from megatron_scalevec.testing.models import build_gpt, tiny_config
+
+    init_model_parallel()
+    cfg = ScaleVecConfig.from_string(strategy, scale_vector_weight_decay=svwd)
+    model = build_gpt(tiny_config(), cfg)
+    return decay_summary(decay_rules(cfg, 0.1), [model], 0.1, cfg)
+
+
+def _rows(table: str) -> dict:
+    return {line.split()[0]: float(line.split()[1]) for line in table.splitlines()[2:]}
+
+
+def test_decay_table_states_what_each_rule_applies():
+    plain = run_on_ranks(_table, 1, "hg+dp+er", None)[0]  # no IWD: vectors never decay
+    assert "scale-vector wd" not in plain.splitlines()[0], plain
+    assert _rows(plain) == {"other_1d": 0.0, "matrices": 0.1}, plain
+    iwd = _rows(run_on_ranks(_table, 1, "unified", 0.05)[0])
+    assert iwd["input_vectors"] == 0.05 and iwd["matrices"] == 0.1, iwd
+    assert iwd["output_vectors"] == iwd["input_directions"] == 0.0, iwd
+
+
+def _main(rank, world, argv):
+    from megatron_scalevec.training.trainer import main
+
+    return main(argv)
+
+
+def _iterations(run) -> list:
+    with open(run / "metrics.jsonl") as f:
+        return [r["iteration"] for r in map(json.loads, f) if "loss" in r]
+
+
+def test_metrics_continue_from_the_checkpoint_after_a_resume(tmp_path):
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    flags = TINY + ["--log-interval", "1", "--run-dir", str(run), "--save", str(ck),
+                    "--train-iters", "4"]
+    run_on_ranks(_main, 1, flags + ["--save-interval", "2"], timeout=180)
+    assert _iterations(run) == [1, 2, 3, 4]
+    (ck / "latest").write_text("2")  # as if killed after the checkpoint of iteration 2
+    shutil.rmtree(ck / "iter_0000004")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 5, "lo')  # and mid-write
+    run_on_ranks(_main, 1, flags + ["--load", str(ck)], timeout=180)
+    assert _iterations(run) == [1, 2, 3, 4], _iterations(run)
