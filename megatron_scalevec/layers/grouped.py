@@ -192,6 +192,8 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         if counts.numel() != self.num_local_experts:
             raise ValueError(f"tokens_per_expert has {counts.numel()} counts for "
                              f"{self.num_local_experts} local experts")
+        # torch-private _assert_async (torch 2.9-2.13 checked): the only check without a host
+        # sync (a public assert would read the sum back); a device-side assert on CUDA
         torch._assert_async(counts.sum() == x.shape[0],  # where the counts are: no sync
                             f"tokens_per_expert does not cover the {x.shape[0]} rows")
         sizes = glu.device_counts(counts, x.device)
