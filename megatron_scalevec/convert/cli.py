@@ -66,6 +66,9 @@ def main(argv=None) -> int:
         # torch's deprecations inside megatron-core's dist-checkpoint load (load_state_dict,
         # ShardedTensor): library internals, not the user's to act on
         warnings.filterwarnings("ignore", category=FutureWarning)
+        # ...and torch >= 2.12's notes from the same load (argument order, single process)
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                module=r"torch\.distributed\.checkpoint\.")
         try:
             report = _run(args)
         except ImportError as e:
