@@ -27,7 +27,7 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
-from megatron_scalevec import sharding
+from megatron_scalevec import sharding, steps
 
 PARTS = {"plain": ("weight",), "or": ("magnitude", "direction"), "er": ("alpha", "logit")}
 DECAYED_PARTS = {"weight", "magnitude", "alpha"}  # the direction parts are scale-invariant
@@ -59,6 +59,7 @@ class ScaleVector(nn.Module):
         self.split_group = tp_group if split and sharding.group_size(tp_group) > 1 else None
         self.grad_group = grad_group if sharding.group_size(grad_group) > 1 else None
         self.global_size = size * sharding.group_size(self.split_group)
+        self._steps: dict = {}  # once-per-step values, by the vectors read together (_value)
         if parameterization is None:
             return
         if parameterization not in PARTS:
@@ -111,7 +112,7 @@ class ScaleVector(nn.Module):
             return self._once
         if self.parameterization is None:
             return None
-        return _gamma(self, lambda part: getattr(self, part).float())
+        return _value([self], lambda: _gamma(self, lambda part: getattr(self, part).float()))
 
     def gamma(self) -> Optional[torch.Tensor]:
         """``self()``: gamma, through the module call (diagnostics and conversion)."""
@@ -176,7 +177,7 @@ def _gamma(v0: ScaleVector, part) -> torch.Tensor:
         v = part("logit")
         mean = sharding.all_reduce_sum(v.sum(-1, keepdim=True), v0.split_group) / v0.global_size
         gamma = torch.exp(sharding.reduce_grad(part("alpha"), v0.split_group) + v - mean)
-    return sharding.reduce_grad(gamma, v0.grad_group)
+    return gamma  # partial over v0.grad_group: summed there by _value
 
 
 def stacked(vectors: list) -> torch.Tensor:
@@ -188,4 +189,76 @@ def stacked(vectors: list) -> torch.Tensor:
     if any(v._once is not None for v in vectors):
         return torch.stack([v() for v in vectors])
     parts = [v(parts=True) for v in vectors]
-    return _gamma(vectors[0], lambda name: torch.stack([p[name] for p in parts]))
+    return _value(vectors, lambda: _gamma(vectors[0],
+                                          lambda name: torch.stack([p[name] for p in parts])))
+
+
+# ------------------------------------------------- a vector's value and gradient, once per step
+
+def _value(vectors: list, compute) -> torch.Tensor:
+    """``compute()`` (the gamma of ``vectors``, partial over their ``grad_group``) with its
+    gradient summed over that group.
+
+    Every micro-batch (reduced in autograd) outside megatron-core's DDP training. Under it, the
+    parameters do not change within an optimizer step, so gamma is computed once per step (its
+    statistics' collectives with it) and every micro-batch but the last uses that value as a
+    leaf that accumulates its gradient; the last one's backward adds the sum, reduces it over
+    ``grad_group`` (one collective a step) and maps it through gamma's own backward, before
+    DDP reduces the vectors' buckets (megatron_scalevec/steps.py)."""
+    v0 = vectors[0]
+    params = [p for v in vectors for p in v._parameters.values()]
+    n = steps.per_step(params[0])
+    if n is None:
+        return sharding.reduce_grad(compute(), v0.grad_group)
+    key = tuple(map(id, vectors))
+    state = v0._steps.get(key)
+    if state is None:
+        state = v0._steps[key] = _Step()
+    if steps.new_step(params[0]):
+        if state.gamma is not None and state.leaf.grad is not None:  # a forward without
+            raise steps.never_closed("a scale vector", state.seen, n)  # backward is no step
+        if not all(steps.new_step(p) for p in params):
+            raise RuntimeError("scale vectors: a vector read in one step both alone and "
+                               "stacked with others (vectors.stacked): read it one way")
+        steps.start(params)
+        state.seen, state.gamma = 0, compute()
+        state.leaf = state.gamma.detach().requires_grad_()
+    elif state.seen >= n:
+        raise steps.over_count("a scale vector", state.seen + 1, n)
+    elif state.gamma is None:
+        raise RuntimeError("scale vectors: a vector read in one step both alone and stacked "
+                           "with others (vectors.stacked): read it one way")
+    state.seen += 1
+    if state.seen < n:
+        return state.leaf
+    gamma, state.gamma = state.gamma, None
+    return _StepSum.apply(gamma, state, params, v0.grad_group)
+
+
+class _Step:
+    """One vector's (or one stack's) gamma in the current step, and its accumulating leaf."""
+
+    def __init__(self):
+        self.seen = 0
+        self.gamma: Optional[torch.Tensor] = None  # with autograd, until the last micro-batch
+        self.leaf: Optional[torch.Tensor] = None
+
+
+class _StepSum(torch.autograd.Function):
+    """Identity on the step's gamma; its backward (the last micro-batch's) adds the earlier
+    micro-batches' gradient, sums over ``group`` and hands DDP back the parameters' hooks."""
+
+    @staticmethod
+    def forward(ctx, gamma, state, params, group):
+        ctx.state, ctx.params, ctx.group = state, params, group
+        return gamma.view_as(gamma)
+
+    @staticmethod
+    def backward(ctx, grad):
+        leaf, ctx.state.leaf = ctx.state.leaf, None
+        if leaf is not None and leaf.grad is not None:
+            grad = grad + leaf.grad
+        grad = sharding.sum_in_place(grad.clone(), ctx.group)
+        for p in ctx.params:  # their gradients now go through .grad as usual
+            p.grad_added_to_main_grad = False
+        return grad, None, None, None

@@ -1,13 +1,19 @@
-"""The fold's gradient map once per optimizer step (layers/fold.py ``StepMap``): with
-megatron-core's micro-batch calculator set up (as Megatron-LM, Bridge and our trainer do),
+"""What is fixed within an optimizer step is paid once per step (megatron_scalevec/steps.py):
+with megatron-core's micro-batch calculator set up (as Megatron-LM, Bridge and our trainer do),
 every micro-batch's ``G = dL/dW_eff`` is accumulated into W's ``main_grad`` and the step's last
-micro-batch maps the sum; without it every micro-batch maps its own gradient. Both give the same
-losses, grad norms and SGD updates (relative to each tensor's scale) in one process, at DP2 with
-the distributed optimizer and overlapped reduction, and at TP2 with sequence parallelism; the
-map runs once per folded linear per step; a calculator that disagrees with the schedule's
-micro-batch count is refused in one line."""
+micro-batch maps the sum (layers/fold.py ``StepMap``), and each scale vector is computed once
+per step and its gradient reduced over its group once per step (vectors.py ``_value``); without
+a calculator every micro-batch does both. Both give the same losses, grad norms and SGD updates
+(relative to each tensor's scale) in one process, at DP2 with the distributed optimizer and
+overlapped reduction, and at TP2 with and without sequence parallelism; the map runs once per
+folded linear per step; at TP2 the vectors add at most 2 collectives per layer per micro-batch
+(DNP's statistics over the split FFN width, forward and backward); a calculator that disagrees
+with the schedule's micro-batch count is refused in one line."""
+
+import sys
 
 import pytest
+import torch.distributed as dist
 
 from megatron_scalevec.layers import fold
 from megatron_scalevec.testing import init_model_parallel, run_on_ranks
@@ -21,9 +27,9 @@ REL = 1e-3
 
 
 def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=False,
-           experts=0, steps=STEPS, recompute=False):
+           experts=0, steps=STEPS, recompute=False, sequence_parallel=None):
     init_model_parallel(tp=tp)
-    kw = dict(sequence_parallel=tp > 1)
+    kw = dict(sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform",
                   recompute_num_layers=1)
@@ -43,20 +49,31 @@ def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=Fal
         maps[0] += 1
         return real(*args)
 
-    fold.map_in_place = counted
+    ours = [0]  # all-reduces our package adds (sharding.py's), each rank's own count
+    all_reduce = dist.all_reduce
+
+    def all_reduce_counted(*args, **kwargs):
+        caller = sys._getframe(2).f_globals["__name__"]  # who called sharding.py
+        # layers/linear.py's backward reduces a column-parallel input gradient over TP where
+        # megatron-core's own linear (stock's) does the same: not an addition
+        ours[0] += (sys._getframe(1).f_globals["__name__"].startswith("megatron_scalevec")
+                    and caller != "megatron_scalevec.layers.linear")
+        return all_reduce(*args, **kwargs)
+
+    fold.map_in_place, dist.all_reduce = counted, all_reduce_counted
     try:
         norms: list = []
         losses = M.train_steps(ddp, config, M.batches(MICRO, 2), steps, opt, norms,
                                per_step_map=per_step)
     finally:
-        fold.map_in_place = real
+        fold.map_in_place, dist.all_reduce = real, all_reduce
         M.set_microbatches(None)
     M.sync_params(ddp)
     folded = sum(1 for m in model.modules() if getattr(m, "_step_map", None) is not None
                  and m.has_scale_vectors and m.scalevec_mode == "weight")
     deltas = {n: p.detach() - start[n] for n, p in model.named_parameters()}
     return dict(losses=losses, norms=norms, deltas=deltas, maps=maps[0], folded=folded,
-                steps=steps)
+                steps=steps, ours=ours[0], layers=config.num_layers)
 
 
 def _compare(world, strategy, **kw):
@@ -86,6 +103,16 @@ def test_map_once_per_step_dp2_distributed_optimizer_overlapped():
 def test_map_once_per_step_tp2_sequence_parallel_moe():
     # one step: a second one's top-k routing would amplify rounding-level differences
     _compare(2, "hg+dp+or", tp=2, experts=4, steps=1)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_vectors_once_per_step_tp2_at_most_two_collectives_per_layer_per_micro_batch(sp):
+    r = _compare(2, "unified", tp=2, sequence_parallel=sp)[0]
+    # per layer and step: 2 per micro-batch (DNP's statistics), the rest once per step (the
+    # vectors' transforms and their gradients' reduction: 11 here); every micro-batch did 13
+    per_step_budget = 16
+    per_layer_step = r["ours"] / r["steps"] / r["layers"]
+    assert per_layer_step <= 2 * MICRO + per_step_budget, per_layer_step
 
 
 def test_map_once_per_step_under_full_recompute():

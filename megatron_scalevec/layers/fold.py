@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from megatron_scalevec import steps
 from megatron_scalevec.layers import fused
 
 
@@ -181,57 +182,33 @@ class FoldedWeights:
 
 # ---------------------------------------------------------------- the map, once per step
 
-def microbatches() -> Optional[int]:
-    """Micro-batches per optimizer step, from megatron-core's calculator (set up by
-    Megatron-LM, Megatron-Bridge and our trainer); None where none is set up."""
-    from megatron.core import num_microbatches_calculator as calc  # noqa: PLC0415
-
-    try:
-        return calc.get_num_microbatches()
-    except (AttributeError, AssertionError):  # no calculator: ``None.get()``
-        return None
-
-
 class StepMap:
     """When a folded linear maps its gradient: every micro-batch (``None``), or once per
     optimizer step. Every term of the map is linear in ``G = dL/dW_eff`` and the vectors do not
     change within a step, so the GEMM accumulates ``G`` into W's ``main_grad`` on every
-    micro-batch (``"accumulate"``; the vectors are used without autograd) and the step's last
-    micro-batch maps the sum in place (``"map"``), before DDP reduces W's or the vectors'
-    buckets, both of which get their gradients in that backward.
-
-    A step starts where megatron-core's DDP ``zero_grad_buffer()`` (called at the start of every
-    training iteration) reset W's ``grad_added_to_main_grad``; its training forwards (grad
-    enabled; a recomputed forward counts where it runs, in backward order) are counted against
-    the calculator's micro-batch count. Without megatron-core's DDP (no ``main_grad``) or
-    without a calculator, every micro-batch maps its own gradient."""
+    micro-batch (``"accumulate"``) and the step's last micro-batch maps the sum in place
+    (``"map"``), before DDP reduces W's or the vectors' buckets, both of which get their
+    gradients in that backward. Step boundaries and the count: megatron_scalevec/steps.py (W
+    keeps ``grad_added_to_main_grad`` set: its gradient never goes through ``.grad``). Without
+    megatron-core's DDP (no ``main_grad``) or without a calculator, every micro-batch maps its
+    own gradient."""
 
     def __init__(self):
         self.seen = 0
         self.accumulated = self.mapped = False  # set by the linear's backward
 
     def mode(self, weight: torch.Tensor) -> Optional[str]:
-        n = microbatches()
-        if n is None or not hasattr(weight, "main_grad") or not torch.is_grad_enabled() \
-                or not weight.requires_grad:
+        n = steps.per_step(weight)
+        if n is None:
             return None
-        if not getattr(weight, "grad_added_to_main_grad", False):  # DDP zeroed: a new step
+        if steps.new_step(weight):
             if self.accumulated and not self.mapped:
-                raise RuntimeError(
-                    f"scale vectors: the last optimizer step accumulated a folded linear's "
-                    f"gradient over {self.seen} training forwards but never mapped it "
-                    f"(expected {n} micro-batches, get_num_microbatches()); "
-                    f"forward_backward_func's num_microbatches must match megatron-core's "
-                    f"micro-batch calculator")
+                raise steps.never_closed("a folded linear", self.seen, n)
             self.seen, self.accumulated, self.mapped = 0, False, False
-            weight.grad_added_to_main_grad = True  # G goes to main_grad, never through .grad
+            steps.start([weight])  # G goes to main_grad, never through .grad
         self.seen += 1
         if self.seen > n:
-            raise RuntimeError(
-                f"scale vectors: training forward {self.seen} of a folded linear in one step, "
-                f"but get_num_microbatches() is {n}: call the DDP model's zero_grad_buffer() "
-                f"at the start of every training step (as Megatron-LM does) and give "
-                f"forward_backward_func the calculator's num_microbatches")
+            raise steps.over_count("a folded linear", self.seen, n)
         return "map" if self.seen == n else "accumulate"
 
 

@@ -286,11 +286,9 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
                 allreduce_dgrad, sequence_parallel, None, None,
                 tp_group=tp_group, **kwargs)
         mode = self._step_map.mode(weight)
+        row, col = self.fold_vectors()
         if mode == "accumulate":  # this micro-batch's vector gradient comes with the map
-            with torch.no_grad():
-                row, col = self.fold_vectors()
-        else:
-            row, col = self.fold_vectors()
+            row, col = (None if v is None else v.detach() for v in (row, col))
         return _FoldedLinear.apply(input, weight, row, col, bias, self.fold_layout,
                                    allreduce_dgrad, sequence_parallel, tp_group,
                                    None if mode is None else (mode, self._step_map))
