@@ -83,6 +83,8 @@ class _Trainer:
 
         self.M, self.cfg = M, cfg
         self.model = _build(name, cfg, layout)
+        if layout == "te":  # TE's linears accumulate wgrad into main_grad, as Megatron-LM's default
+            M.te_fused_wgrad_accumulation(self.model)
         self.ddp = M.wrap_ddp(self.model, cfg)
         self.opt = M.make_optimizer(self.ddp, lr=0.0, clip_grad=args.clip_grad)
         if not args.cpu_fallbacks:

@@ -10,16 +10,19 @@ folded linear per step; at TP2 the vectors add at most 2 collectives per layer p
 (DNP's statistics over the split FFN width, forward and backward); a calculator that disagrees
 with the schedule's micro-batch count is refused in one line."""
 
+import contextlib
+import os
 import sys
 
 import pytest
 import torch.distributed as dist
 
 from megatron_scalevec.layers import fold
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
+from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
 from megatron_scalevec.testing import models as M
 
 STEPS, MICRO = 2, 8
+REQUIRE_TE = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
 # Summing 8 micro-batches' gradients in another order changes an fp32 weight gradient by up to
 # 1.3e-4 of its scale (an expert's fc1 here: the per-micro-batch path itself, micro-batches
 # reversed); a wrong map or a map on the wrong micro-batch is off by the vectors' perturbation.
@@ -27,7 +30,12 @@ REL = 1e-3
 
 
 def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=False,
-           experts=0, steps=STEPS, recompute=False, sequence_parallel=None):
+           experts=0, steps=STEPS, recompute=False, sequence_parallel=None, te=False,
+           te_fused_wgrad=False):
+    context = contextlib.nullcontext
+    if te:  # TE's real Python over the test stand-in (testing/te_stub.py)
+        te_stub.activate()
+        context, kw_te = te_stub.cuda_claimed, dict(transformer_impl="transformer_engine")
     init_model_parallel(tp=tp)
     kw = dict(sequence_parallel=tp > 1 if sequence_parallel is None else sequence_parallel)
     if recompute:
@@ -36,8 +44,13 @@ def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=Fal
     if experts:
         kw.update(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24,
                   moe_aux_loss_coeff=0.0)
+    if te:
+        kw.update(kw_te)
     config = M.tiny_config(**kw)
-    model = M.build_gpt(config, strategy)
+    with context():
+        model = M.build_gpt(config, strategy)
+    if te_fused_wgrad:  # TE's linears only: the output layer would need APEX's CUDA kernel
+        assert M.te_fused_wgrad_accumulation(model) > 0
     M.perturb_vectors(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     ddp = M.wrap_ddp(model, config, dist_opt, overlap_grad_reduce=overlap)
@@ -64,7 +77,8 @@ def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=Fal
     try:
         norms: list = []
         losses = M.train_steps(ddp, config, M.batches(MICRO, 2), steps, opt, norms,
-                               per_step_map=per_step)
+                               per_step_map=per_step,
+                               forward_context=te_stub.cuda_claimed if te else None)
     finally:
         fold.map_in_place, dist.all_reduce = real, all_reduce
         M.set_microbatches(None)
@@ -93,6 +107,17 @@ def _compare(world, strategy, **kw):
 @pytest.mark.parametrize("strategy", ["hg+dp", "unified", "hg+dp+er"])
 def test_map_once_per_step_equals_map_per_micro_batch(strategy):
     r = _compare(1, strategy)[0]
+    assert r["folded"] > 0
+
+
+@pytest.mark.skipif(not te_stub.available() and not REQUIRE_TE,
+                    reason="TE's Python not installed (.ci/run puts it in .te_python)")
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused_wgrad", "unfused"])
+@pytest.mark.parametrize("strategy", ["hg+dp", "unified"])
+def test_te_map_once_per_step(strategy, fusion):
+    # TE's linears: G summed in W's main_grad by TE's GEMM (fuse_wgrad_accumulation, as
+    # Megatron-LM configures it by default) or by the fold's backward, then mapped once
+    r = _compare(1, strategy, te=True, te_fused_wgrad=fusion)[0]
     assert r["folded"] > 0
 
 

@@ -107,6 +107,42 @@ class Fold(torch.autograd.Function):
         return (d_row, d_col, None, *(dw if dw is not None else [None] * len(weights)))
 
 
+class _FoldOncePerStep(torch.autograd.Function):
+    """:func:`fold` of one weight [out, in] for a GEMM whose ``G = dL/dW_eff`` is summed in W's
+    ``main_grad`` over the step: by the GEMM itself (Transformer Engine's fused wgrad
+    accumulation, given ``W_eff`` carrying W's ``main_grad``; its gradient here is then a
+    placeholder) or, with fusion off, added here. The step's last micro-batch maps
+    ``main_grad`` in place (:class:`StepMap`). ``step``: (mode, StepMap, fused). Vectors [S, n]."""
+
+    @staticmethod
+    def forward(ctx, row, col, layout, step, weight):
+        ctx.layout, ctx.step = layout, step
+        ctx.save_for_backward(row, col, weight)
+        return fold([weight], single(row), single(col), layout)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        row, col, weight = ctx.saved_tensors
+        mode, step_map, fused_accumulation = ctx.step
+        if not fused_accumulation:
+            weight.main_grad.add_(grad)
+        step_map.accumulated = True
+        d_row = d_col = None
+        if mode == "map":
+            d_row, d_col = map_in_place(weight.main_grad, weight, row, col, ctx.layout,
+                                        ctx.needs_input_grad[:2])
+            step_map.mapped = True
+        # W's gradient is in main_grad (megatron-core's fused path: W keeps
+        # grad_added_to_main_grad set, so DDP ignores this placeholder)
+        return d_row, d_col, None, None, _placeholder(weight)
+
+
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """A weight-shaped gradient nobody reads: allocated, never written (as megatron-core's
+    fused path; autograd would copy a broadcast one into a weight-sized tensor anyway)."""
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
 class _Held:
     """A folded weight a GEMM keeps until its backward: released after the forward, refolded
     in place (same storage, same values) before the backward."""
@@ -164,7 +200,19 @@ class FoldedWeights:
 
     def __call__(self, weights, row, col, layout) -> torch.Tensor:
         """[E, out, in] folded weights with autograd (:class:`Fold`)."""
-        w_eff = Fold.apply(row, col, layout, *weights)
+        return self._held(Fold.apply(row, col, layout, *weights), weights, row, col, layout)
+
+    def once_per_step(self, weight, row, col, layout, step) -> torch.Tensor:
+        """[out, in]: one weight folded for a GEMM that accumulates ``G`` into
+        ``W.main_grad`` itself, which ``W_eff`` carries, or whose ``G`` is added there
+        (:class:`_FoldOncePerStep`); ``step``: (mode, StepMap, fused), vectors [S, n]."""
+        w_eff = _FoldOncePerStep.apply(row, col, layout, step, weight)
+        self._held(w_eff, [weight], single(row), single(col), layout)
+        w_eff.main_grad = weight.main_grad
+        w_eff.grad_added_to_main_grad = False  # megatron-core's DDP protocol: G to main_grad
+        return w_eff
+
+    def _held(self, w_eff, weights, row, col, layout) -> torch.Tensor:
         if self.held is not None and w_eff.requires_grad:
             self.held.append(_Held(w_eff, weights, row, col, layout))
         return w_eff

@@ -142,14 +142,18 @@ def make_te_classes(base: dict) -> dict:
                                      local_output_size(output_size, is_expert), is_expert, group,
                                      "weight")
             self._folds = fold.FoldedWeights()
-            if self.has_scale_vectors:
-                # fused wgrad accumulation writes weight.main_grad of the tensor TE is given;
-                # that is our folded weight, so let autograd route the gradient instead.
-                self.fuse_wgrad_accumulation = False
+            self._step_map, self._step = fold.StepMap(), None
+            self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
 
         def forward(self, x, *args, **kwargs):
             if not self.has_scale_vectors:
                 return super().forward(x, *args, **kwargs)
+            # Under megatron-core's DDP and calculator G = dL/dW_eff is summed in W's main_grad
+            # (by TE's fused wgrad accumulation where configured: W_eff carries W's main_grad)
+            # and the step's last micro-batch maps it (fold.StepMap); elsewhere autograd routes
+            # G through the fold. TE reads the flag in each forward (checked on 2.11.0, 2.17.1).
+            self._step = self._step_map.mode(self.weight)
+            self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
             with self._folds:  # TE keeps the folded weight: released until its backward
                 return release_output(self._folds, super().forward(x, *args, **kwargs))
 
@@ -158,8 +162,14 @@ def make_te_classes(base: dict) -> dict:
             if not self.has_scale_vectors:
                 return weights
             row, col = self.fold_vectors()
-            return [self._folds([weights[0]], fold.single(row), fold.single(col),
-                                self.fold_layout)[0]]
+            if self._step is None:
+                return [self._folds([weights[0]], fold.single(row), fold.single(col),
+                                    self.fold_layout)[0]]
+            if self._step == "accumulate":  # the vectors' gradient comes with the map
+                row, col = (None if v is None else v.detach() for v in (row, col))
+            return [self._folds.once_per_step(weights[0], row, col, self.fold_layout,
+                                              (self._step, self._step_map,
+                                               self.fuse_wgrad_accumulation))]
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -142,9 +142,6 @@ def make_grouped_linear_class(base):
                                group, getattr(self, f"weight{e}")) for e in range(num_gemms))
             self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
             self._folds = fold.FoldedWeights()
-            if self.has_scale_vectors:
-                # TE's fused wgrad accumulation would write main_grad of the folded weight
-                self.fuse_wgrad_accumulation = False
 
         def forward(self, *args, **kwargs):
             if not self.norms_applied:
@@ -153,6 +150,9 @@ def make_grouped_linear_class(base):
                                    "alone would skip the norms")
             if not self.has_scale_vectors:
                 return super().forward(*args, **kwargs)
+            # TE's fused wgrad accumulation would write main_grad of the folded weights (which
+            # have none): autograd maps G each micro-batch. TE reads the flag in each forward.
+            self.fuse_wgrad_accumulation = False
             with self._folds:  # TE keeps the folded weights: released until its backward
                 return release_output(self._folds, super().forward(*args, **kwargs))
 

@@ -157,6 +157,22 @@ def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1
     return get_megatron_optimizer(cfg, chunks)
 
 
+def te_fused_wgrad_accumulation(model) -> int:
+    """Transformer Engine's linears accumulate their weight gradient into ``main_grad`` (as
+    ``gradient_accumulation_fusion`` configures them; megatron-core's own output layer would
+    need APEX's CUDA kernel for it); returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m).__module__.startswith(("transformer_engine", "megatron.core.extensions",
+                                          "megatron_scalevec.layers.te")) and \
+                hasattr(m, "fuse_wgrad_accumulation"):
+            m.fuse_wgrad_accumulation = True
+            if hasattr(m, "_fused_accumulation"):
+                m._fused_accumulation = True
+            n += 1
+    return n
+
+
 def set_microbatches(n: Optional[int], micro_batch_size: int = 1) -> None:
     """megatron-core's micro-batch calculator at ``n`` micro-batches per step on each
     data-parallel rank (as Megatron-LM sets it up; the fold maps once per step,

@@ -58,7 +58,9 @@ def _store(d, out, accumulate, alpha=1.0, beta=None):
     if out is None:
         return d
     if accumulate:
-        out.mul_(1.0 if beta is None else beta).add_(d.reshape(out.shape).to(out.dtype))
+        if beta is not None and beta != 1.0:  # cuBLAS scales C in the GEMM: no pass of its own
+            out.mul_(beta)
+        out.add_(d.reshape(out.shape).to(out.dtype))
     else:
         out.copy_(d.reshape(out.shape))
     return out
