@@ -31,7 +31,7 @@ REL = 1e-3
 
 def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=False,
            experts=0, steps=STEPS, recompute=False, sequence_parallel=None, te=False,
-           te_fused_wgrad=False):
+           te_fused_wgrad=False, grouped=False):
     context = contextlib.nullcontext
     if te:  # TE's real Python over the test stand-in (testing/te_stub.py)
         te_stub.activate()
@@ -43,7 +43,7 @@ def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=Fal
                   recompute_num_layers=1)
     if experts:
         kw.update(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24,
-                  moe_aux_loss_coeff=0.0)
+                  moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped)
     if te:
         kw.update(kw_te)
     config = M.tiny_config(**kw)
@@ -83,8 +83,9 @@ def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=Fal
         fold.map_in_place, dist.all_reduce = real, all_reduce
         M.set_microbatches(None)
     M.sync_params(ddp)
-    folded = sum(1 for m in model.modules() if getattr(m, "_step_map", None) is not None
-                 and m.has_scale_vectors and m.scalevec_mode == "weight")
+    folded = sum(getattr(m, "num_gemms", 1) for m in model.modules()  # weights mapped
+                 if getattr(m, "_step_map", None) is not None and m.has_scale_vectors
+                 and getattr(m, "scalevec_mode", "weight") == "weight")
     deltas = {n: p.detach() - start[n] for n, p in model.named_parameters()}
     return dict(losses=losses, norms=norms, deltas=deltas, maps=maps[0], folded=folded,
                 steps=steps, ours=ours[0], layers=config.num_layers)
@@ -118,6 +119,15 @@ def test_te_map_once_per_step(strategy, fusion):
     # TE's linears: G summed in W's main_grad by TE's GEMM (fuse_wgrad_accumulation, as
     # Megatron-LM configures it by default) or by the fold's backward, then mapped once
     r = _compare(1, strategy, te=True, te_fused_wgrad=fusion)[0]
+    assert r["folded"] > 0
+
+
+@pytest.mark.skipif(not te_stub.available() and not REQUIRE_TE,
+                    reason="TE's Python not installed (.ci/run puts it in .te_python)")
+@pytest.mark.parametrize("fusion", [True, False], ids=["fused_wgrad", "unfused"])
+def test_te_grouped_experts_map_once_per_step(fusion):
+    # every expert's G summed in its own main_grad, all experts mapped on the last micro-batch
+    r = _compare(1, "unified", te=True, te_fused_wgrad=fusion, experts=4, grouped=True)[0]
     assert r["folded"] > 0
 
 

@@ -108,33 +108,37 @@ class Fold(torch.autograd.Function):
 
 
 class _FoldOncePerStep(torch.autograd.Function):
-    """:func:`fold` of one weight [out, in] for a GEMM whose ``G = dL/dW_eff`` is summed in W's
-    ``main_grad`` over the step: by the GEMM itself (Transformer Engine's fused wgrad
-    accumulation, given ``W_eff`` carrying W's ``main_grad``; its gradient here is then a
-    placeholder) or, with fusion off, added here. The step's last micro-batch maps
-    ``main_grad`` in place (:class:`StepMap`). ``step``: (mode, StepMap, fused). Vectors [S, n]."""
+    """:func:`fold` of E weights [out, in] (one output each) for GEMMs whose ``G = dL/dW_eff``
+    is summed in each W's ``main_grad`` over the step: by the GEMM itself (Transformer Engine's
+    fused wgrad accumulation, given ``W_eff`` carrying W's ``main_grad``; its gradient here is
+    then a placeholder) or, with fusion off, added here. The step's last micro-batch maps each
+    ``main_grad`` in place (:class:`StepMap`). ``step``: (mode, StepMap, fused); vectors
+    [E, S, n]."""
 
     @staticmethod
-    def forward(ctx, row, col, layout, step, weight):
+    def forward(ctx, row, col, layout, step, *weights):
         ctx.layout, ctx.step = layout, step
-        ctx.save_for_backward(row, col, weight)
-        return fold([weight], single(row), single(col), layout)[0]
+        ctx.save_for_backward(row, col, *weights)
+        return tuple(fold(weights, row, col, layout).unbind(0))
 
     @staticmethod
-    def backward(ctx, grad):
-        row, col, weight = ctx.saved_tensors
+    def backward(ctx, *grads):
+        row, col, *weights = ctx.saved_tensors
         mode, step_map, fused_accumulation = ctx.step
         if not fused_accumulation:
-            weight.main_grad.add_(grad)
+            for w, g in zip(weights, grads):
+                w.main_grad.add_(g)
         step_map.accumulated = True
         d_row = d_col = None
         if mode == "map":
-            d_row, d_col = map_in_place(weight.main_grad, weight, row, col, ctx.layout,
-                                        ctx.needs_input_grad[:2])
+            parts = [map_in_place(w.main_grad, w, None if row is None else row[e],
+                                  None if col is None else col[e], ctx.layout,
+                                  ctx.needs_input_grad[:2]) for e, w in enumerate(weights)]
+            d_row, d_col = (None if p[0] is None else torch.stack(p) for p in zip(*parts))
             step_map.mapped = True
-        # W's gradient is in main_grad (megatron-core's fused path: W keeps
+        # each W's gradient is in its main_grad (megatron-core's fused path: W keeps
         # grad_added_to_main_grad set, so DDP ignores this placeholder)
-        return d_row, d_col, None, None, _placeholder(weight)
+        return (d_row, d_col, None, None, *(_placeholder(w) for w in weights))
 
 
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
@@ -202,15 +206,18 @@ class FoldedWeights:
         """[E, out, in] folded weights with autograd (:class:`Fold`)."""
         return self._held(Fold.apply(row, col, layout, *weights), weights, row, col, layout)
 
-    def once_per_step(self, weight, row, col, layout, step) -> torch.Tensor:
-        """[out, in]: one weight folded for a GEMM that accumulates ``G`` into
-        ``W.main_grad`` itself, which ``W_eff`` carries, or whose ``G`` is added there
-        (:class:`_FoldOncePerStep`); ``step``: (mode, StepMap, fused), vectors [S, n]."""
-        w_eff = _FoldOncePerStep.apply(row, col, layout, step, weight)
-        self._held(w_eff, [weight], single(row), single(col), layout)
-        w_eff.main_grad = weight.main_grad
-        w_eff.grad_added_to_main_grad = False  # megatron-core's DDP protocol: G to main_grad
-        return w_eff
+    def once_per_step(self, weights, row, col, layout, step) -> list:
+        """E weights [out, in] folded for GEMMs that accumulate ``G`` into each
+        ``W.main_grad`` themselves (each ``W_eff`` carries its W's), or whose ``G`` is added
+        there (:class:`_FoldOncePerStep`); ``step``: (mode, StepMap, fused), vectors
+        [E, S, n]."""
+        w_effs = _FoldOncePerStep.apply(row, col, layout, step, *weights)
+        if self.held is not None and w_effs[0].requires_grad:  # their storage: one [E, out, in]
+            self.held.append(_Held(w_effs[0]._base, weights, row, col, layout))
+        for w, w_eff in zip(weights, w_effs):
+            w_eff.main_grad = w.main_grad
+            w_eff.grad_added_to_main_grad = False  # megatron-core's DDP protocol
+        return list(w_effs)
 
     def _held(self, w_eff, weights, row, col, layout) -> torch.Tensor:
         if self.held is not None and w_eff.requires_grad:
@@ -245,7 +252,9 @@ class StepMap:
         self.seen = 0
         self.accumulated = self.mapped = False  # set by the linear's backward
 
-    def mode(self, weight: torch.Tensor) -> Optional[str]:
+    def mode(self, weight: torch.Tensor, *others: torch.Tensor) -> Optional[str]:
+        """For a training forward of the linear with ``weight`` (and the ``others`` folded with
+        it, e.g. a grouped linear's experts)."""
         n = steps.per_step(weight)
         if n is None:
             return None
@@ -253,7 +262,7 @@ class StepMap:
             if self.accumulated and not self.mapped:
                 raise steps.never_closed("a folded linear", self.seen, n)
             self.seen, self.accumulated, self.mapped = 0, False, False
-            steps.start([weight])  # G goes to main_grad, never through .grad
+            steps.start([weight, *others])  # G goes to main_grad, never through .grad
         self.seen += 1
         if self.seen > n:
             raise steps.over_count("a folded linear", self.seen, n)

@@ -167,9 +167,9 @@ def make_te_classes(base: dict) -> dict:
                                     self.fold_layout)[0]]
             if self._step == "accumulate":  # the vectors' gradient comes with the map
                 row, col = (None if v is None else v.detach() for v in (row, col))
-            return [self._folds.once_per_step(weights[0], row, col, self.fold_layout,
-                                              (self._step, self._step_map,
-                                               self.fuse_wgrad_accumulation))]
+            return self._folds.once_per_step(weights[:1], fold.single(row), fold.single(col),
+                                             self.fold_layout, (self._step, self._step_map,
+                                                                self.fuse_wgrad_accumulation))
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -41,6 +41,7 @@ from megatron_scalevec.layers.grouped import (
     Fc1View,
     expert_norm_vectors,
     experts_glu_norm,
+    fold_vectors,
     stacked_forward_weight,
 )
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
@@ -142,6 +143,8 @@ def make_grouped_linear_class(base):
                                group, getattr(self, f"weight{e}")) for e in range(num_gemms))
             self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
             self._folds = fold.FoldedWeights()
+            self._step_map, self._step = fold.StepMap(), None
+            self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
 
         def forward(self, *args, **kwargs):
             if not self.norms_applied:
@@ -150,9 +153,11 @@ def make_grouped_linear_class(base):
                                    "alone would skip the norms")
             if not self.has_scale_vectors:
                 return super().forward(*args, **kwargs)
-            # TE's fused wgrad accumulation would write main_grad of the folded weights (which
-            # have none): autograd maps G each micro-batch. TE reads the flag in each forward.
-            self.fuse_wgrad_accumulation = False
+            # as layers/te.py: G summed in each W's main_grad and mapped once per step under
+            # megatron-core's DDP and calculator; else mapped by autograd every micro-batch
+            self._step = self._step_map.mode(*(getattr(self, f"weight{e}")
+                                               for e in range(self.num_gemms)))
+            self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
             with self._folds:  # TE keeps the folded weights: released until its backward
                 return release_output(self._folds, super().forward(*args, **kwargs))
 
@@ -160,8 +165,15 @@ def make_grouped_linear_class(base):
             weights = list(super()._get_weight_tensors())
             if not self.has_scale_vectors:
                 return weights
-            return list(stacked_forward_weight(Fc1View(self.scale_vectors), weights,
-                                               self._folds).unbind(0))
+            fc1 = Fc1View(self.scale_vectors)
+            if self._step is None:
+                return list(stacked_forward_weight(fc1, weights, self._folds).unbind(0))
+            row, col = fold_vectors(fc1, weights[0].shape[-1])
+            if self._step == "accumulate":  # the vectors' gradient comes with the map
+                row, col = (None if v is None else v.detach() for v in (row, col))
+            return self._folds.once_per_step(
+                weights, row, col, (fc1.groups, len(fc1.slots), fc1.rows),
+                (self._step, self._step_map, self.fuse_wgrad_accumulation))
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """The vectors at their global expert ids, under the sequential experts' keys
