@@ -116,15 +116,18 @@ class _FoldOncePerStep(torch.autograd.Function):
     [E, S, n]."""
 
     @staticmethod
-    def forward(ctx, row, col, layout, step, *weights):
-        ctx.layout, ctx.step = layout, step
+    def forward(ctx, row, col, layout, step, stacked, *weights):
+        ctx.layout, ctx.step, ctx.stacked = layout, step, stacked
         ctx.save_for_backward(row, col, *weights)
-        return tuple(fold(weights, row, col, layout).unbind(0))
+        out = fold(weights, row, col, layout)
+        return out if stacked else tuple(out.unbind(0))
 
     @staticmethod
     def backward(ctx, *grads):
         row, col, *weights = ctx.saved_tensors
         mode, step_map, fused_accumulation = ctx.step
+        if ctx.stacked:
+            grads = grads[0].unbind(0)
         if not fused_accumulation:
             for w, g in zip(weights, grads):
                 w.main_grad.add_(g)
@@ -138,7 +141,14 @@ class _FoldOncePerStep(torch.autograd.Function):
             step_map.mapped = True
         # each W's gradient is in its main_grad (megatron-core's fused path: W keeps
         # grad_added_to_main_grad set, so DDP ignores this placeholder)
-        return (d_row, d_col, None, None, *(_placeholder(w) for w in weights))
+        return (d_row, d_col, None, None, None, *(_placeholder(w) for w in weights))
+
+
+def fold_once_per_step(weights, row, col, layout: tuple, step) -> torch.Tensor:
+    """[E, out, in]: the weights folded for one GEMM (a grouped GEMM) whose ``G`` the fold's
+    backward adds to each W's ``main_grad``, mapped once per step (:class:`_FoldOncePerStep`);
+    ``step``: (mode, StepMap), vectors [E, S, n]."""
+    return _FoldOncePerStep.apply(row, col, layout, (*step, False), True, *weights)
 
 
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
@@ -211,7 +221,7 @@ class FoldedWeights:
         ``W.main_grad`` themselves (each ``W_eff`` carries its W's), or whose ``G`` is added
         there (:class:`_FoldOncePerStep`); ``step``: (mode, StepMap, fused), vectors
         [E, S, n]."""
-        w_effs = _FoldOncePerStep.apply(row, col, layout, step, *weights)
+        w_effs = _FoldOncePerStep.apply(row, col, layout, step, False, *weights)
         if self.held is not None and w_effs[0].requires_grad:  # their storage: one [E, out, in]
             self.held.append(_Held(w_effs[0]._base, weights, row, col, layout))
         for w, w_eff in zip(weights, w_effs):

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers import glu
+from megatron_scalevec.layers import fold, glu
 from megatron_scalevec.layers.fold import Fold
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import stacked
@@ -152,6 +152,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                                           f"'transformer_engine' or grouped_gemm=False")
         super().__init__(num_local_experts, config, submodules, pg_collection, name,
                          scalevec=scalevec)
+        self._step_map = fold.StepMap()
         align = 16 // self.config.params_dtype.itemsize
         ffn = self.config.moe_ffn_hidden_size // sharding.group_size(self.tp_group)
         if self.config.hidden_size % align or ffn % align:
@@ -161,12 +162,22 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                 f"16-byte aligned rows for grouped_mm); use grouped_gemm=False")
 
     def _fc1_weight(self) -> torch.Tensor:
-        """[E, out, in]: the stacked fc1 weights with every expert's vectors folded in."""
+        """[E, out, in]: the stacked fc1 weights with every expert's vectors folded in; under
+        megatron-core's DDP and calculator each expert's G is summed in its main_grad and
+        mapped on the step's last micro-batch (layers/fold.py ``StepMap``)."""
         fc1 = Fc1View(e.linear_fc1 for e in self.local_experts)
         weights = [f.weight for f in fc1.experts]  # read: ready() in forward
         if not fc1.has_scale_vectors:
             return torch.stack(weights)
-        return stacked_forward_weight(fc1, weights)
+        step = self._step_map.mode(*weights)
+        if step is None:
+            return stacked_forward_weight(fc1, weights)
+        row, col = fold_vectors(fc1, weights[0].shape[-1])
+        if step == "accumulate":  # the vectors' gradient comes with the map
+            row, col = (None if v is None else v.detach() for v in (row, col))
+        return fold.fold_once_per_step(weights, row, col,
+                                       (fc1.groups, len(fc1.slots), fc1.rows),
+                                       (step, self._step_map))
 
     def _activation(self, h: torch.Tensor, rows: glu.ExpertRows) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config
