@@ -294,12 +294,19 @@ def accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor)
 def map_in_place(main_grad: torch.Tensor, weight: torch.Tensor, row, col, layout: tuple,
                  needs: tuple) -> tuple:
     """The step's ``G`` in ``main_grad`` [out, in] mapped in place to ``dW = G * scale``;
-    returns (d row, d col) [S, n] (``needs``: which), one linear's vectors."""
-    g = main_grad.view(_shape(1, layout, weight.shape[-1]))
-    _, d_row, d_col = _fold_grads(main_grad[None], (weight,), single(row), single(col),
-                                  layout, (False, *needs))
-    g.mul_(_scale(single(row), single(col), g.dtype))
+    returns (d row, d col) [S, n] (``needs``: which), one linear's vectors. One fused kernel
+    body (layers/fused.py; compiled with the weight's static shape): G and W read once, G
+    written once."""
+    d_row, d_col, _ = fused._kernel(_map, dynamic=False)(main_grad, weight, single(row),
+                                                          single(col), layout, needs)
     return (None if d_row is None else d_row[0]), (None if d_col is None else d_col[0])
+
+
+def _map(main_grad, weight, row, col, layout, needs) -> tuple:
+    _, d_row, d_col = _fold_grads(main_grad[None], (weight,), row, col, layout, (False, *needs))
+    g = main_grad.view(_shape(1, layout, weight.shape[-1]))
+    g.mul_(_scale(row, col, g.dtype))  # after the sums, which read G unscaled
+    return d_row, d_col, main_grad  # main_grad: written (what a fused kernel's traffic counts)
 
 
 try:  # APEX's fused wgrad accumulation (megatron-core's gradient_accumulation_fusion kernel)
