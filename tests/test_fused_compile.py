@@ -222,3 +222,7 @@ def test_step_map_in_place_matches_plain_torch(mode):
     assert _rel(main_grad, want_dw.view_as(w)) < 1e-6
     assert _rel(d_row, want_row) < 1e-5 and _rel(d_col, want_col) < 1e-5
     assert buffer[:5].abs().max() == 0  # nothing written outside the view
+    with _mode(mode):  # and the fold itself: W_eff = W * a[r] * gamma[in] per slot
+        w_eff = fold.fold([w], row[None], col[None], (groups, slots, rows))
+    want = w4 * row[None, :, :, None] * col[None, :, None, :]
+    assert _rel(w_eff[0], want.view_as(w)) < 1e-6

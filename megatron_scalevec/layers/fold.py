@@ -50,16 +50,22 @@ def _shape(n_experts: int, layout: tuple, width: int) -> tuple:
 
 def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[E, out, in]: each weight folded with its expert's vectors (into ``out`` if given), one
-    pass over the weights (no stacked copy first)."""
+    """[E, out, in]: each weight folded with its expert's vectors (into ``out`` if given). One
+    fused kernel body (layers/fused.py, compiled with the weights' shapes): each weight read
+    once, ``out`` written once, no weight-sized scale in between."""
     n, (rows_out, width) = len(weights), weights[0].shape
     if out is None:
         out = weights[0].new_empty((n, rows_out, width))
+    fused._kernel(_fold_into, dynamic=False)(out, tuple(weights), row, col, layout)
+    return out
+
+
+def _fold_into(out, weights, row, col, layout) -> None:
+    n, width = len(weights), weights[0].shape[-1]
     scale = _scale(row, col, weights[0].dtype)
     target = out.view(_shape(n, layout, width))
     for e, w in enumerate(weights):
         torch.mul(w.view(_shape(1, layout, width))[0], scale[e], out=target[e])
-    return out
 
 
 def fold_grads(grad: torch.Tensor, weights: Sequence[torch.Tensor], row, col, layout: tuple,
