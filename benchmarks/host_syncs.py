@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -36,8 +37,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["KINDS", "SyncCounter", "count_host_syncs", "experts_report", "experts_step",
-           "no_cuda_syncs", "stalls"]
+__all__ = ["KINDS", "SyncCounter", "count_host_syncs", "cuda_syncs", "experts_report",
+           "experts_step", "no_cuda_syncs", "stalls"]
 
 KINDS = ("upload", "upload_async", "download", "download_async", "sync")
 aten = torch.ops.aten
@@ -289,6 +290,21 @@ def cuda_sync_errors():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def cuda_syncs(fn) -> int:
+    """Synchronizing CUDA calls while ``fn()`` runs: CUDA's sync debug mode at ``warn`` (one
+    warning per call), counted."""
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 def no_cuda_syncs(fn):

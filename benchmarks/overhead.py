@@ -221,9 +221,28 @@ def _run(args) -> list:
             _sync(cuda)
             r["times"].append(time.perf_counter() - t0)
             r["faults"].append(minor_faults() - f0)
+    if cuda:
+        for r in rows:
+            _device_ledger(r, data)
     rows = _merge_instances(rows)
     fused.set_compile(saved_mode)
     return rows
+
+
+def _device_ledger(r, data) -> None:
+    """On CUDA, two columns of the GPU cost ledger (docs/benchmarks.md): bytes one micro-batch
+    keeps for its backward (benchmarks/ledger.py) and synchronizing CUDA calls a micro-batch
+    (from a step of 1 and one of ``len(data)`` micro-batches)."""
+    from benchmarks.host_syncs import cuda_syncs
+    from benchmarks.ledger import kept_bytes as kept
+    from megatron_scalevec.testing import models as M
+
+    b = data[0]
+    r["ddp"].zero_grad_buffer()  # a step's first micro-batch, as the fold counts them
+    r["kept"] = kept(lambda: r["ddp"](b["tokens"], b["position_ids"], None, labels=b["labels"]))
+    one, m = (cuda_syncs(lambda k=k: M.train_steps(r["ddp"], r["config"], data[:k], 1, r["opt"]))
+              for k in (1, len(data)))
+    r["syncs_mb"] = (m - one) / max(len(data) - 1, 1)
 
 
 NULL = "#null"
@@ -335,6 +354,8 @@ def report(rows, base_name: str) -> str:
     head += [f"time/{n}" for n in refs] + [f"± vs {base['name']}", "act MiB"]
     head += [f"act/{n}" for n in refs]
     head += ["state ratio", "faults", "peak MiB"] + [f"peak/{n}" for n in refs]
+    device = "kept" in base  # CUDA: the ledger's kept bytes and synchronizing calls
+    head += ["kept MiB", *(f"kept/{n}" for n in refs), "syncs/mb"] if device else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         m = med[r["name"]]
@@ -350,6 +371,9 @@ def report(rows, base_name: str) -> str:
                   f"{r['peak'] / 2**20:.0f}" if r["peak"] else "n/a"]
         cells += [f"{r['peak'] / by[n]['peak']:.3f}" if r["peak"] and by[n]["peak"] else "n/a"
                   for n in refs]
+        if device:
+            cells += [f"{r['kept'] / 2**20:.1f}", *(f"{r['kept'] / max(by[n]['kept'], 1):.3f}"
+                                                    for n in refs), f"{r['syncs_mb']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

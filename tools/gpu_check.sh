@@ -4,7 +4,9 @@
 #   1. grouped-GEMM experts equal sequential experts on CUDA (bf16; tools/grouped_check.py);
 #   2. the overhead table in bf16 on a 1B-class dense stack at 4k and 8k tokens per micro-batch,
 #      each variant vs stock megatron-core and vs our `shared` (step time, saved activations,
-#      total peak torch.cuda.max_memory_allocated);
+#      total peak torch.cuda.max_memory_allocated over a 4-micro-batch step, and the GPU cost
+#      ledger's bytes kept for backward a micro-batch and synchronizing CUDA calls a micro-batch,
+#      counted with torch.cuda.set_sync_debug_mode: docs/benchmarks.md);
 #   3. the same on a fine-grained MoE (64 experts of width 384, top-8), sequential and grouped
 #      experts (rows VARIANT/grouped; stock has no grouped experts without TE);
 #   4. only where Transformer Engine (with its extension) imports: the TE path (tools/te_check.py)

@@ -253,3 +253,49 @@ def test_host_report_prints_paired_excess_and_share():
     assert lines[0].startswith("host work: every variant at hidden 32, 64 FFN"), lines[0]
     assert lines[3] == "| shared | 10.0 | 0.0 | 0.0 | n/a |", lines[3]
     assert lines[4] == "| unified | 14.0 | 4.0 | 100.0 | 0.04 |", lines[4]
+
+
+def _device_columns(rank, world):
+    init_model_parallel()
+    from benchmarks import host_syncs
+    from benchmarks import overhead as bench
+    from benchmarks.ledger import kept_bytes
+
+    args = bench.build_parser().parse_args(
+        ["--variants", "shared@eager", "unified@eager", "--baseline", "shared@eager",
+         "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
+         "--vocab", "64", "--micro-batch-size", "1", "--micro-batches", "3", "--warmup", "0",
+         "--repeats", "1", "--instances", "1"])
+    rows, data = bench.run(args), bench.batches(args)
+    calls = []
+
+    def syncs(fn):  # CUDA's sync debug mode stands in: 5 a step and 2 a micro-batch
+        fn()
+        calls.append(1)
+        return 5 + 2 * (len(calls) % 2 == 0 and len(data) or 1)
+
+    real, host_syncs.cuda_syncs = host_syncs.cuda_syncs, syncs
+    try:
+        for r in rows:
+            bench._device_ledger(r, data)
+    finally:
+        host_syncs.cuda_syncs = real
+    b = data[0]
+    direct = []
+    for r in rows:
+        r["ddp"].zero_grad_buffer()
+        direct.append(kept_bytes(lambda r=r: r["ddp"](b["tokens"], b["position_ids"], None,
+                                                      labels=b["labels"])))
+    table = bench.report(rows, "shared@eager").splitlines()
+    return [r["kept"] for r in rows], direct, [r["syncs_mb"] for r in rows], table
+
+
+def test_device_columns_kept_bytes_and_syncs_per_micro_batch():
+    """On CUDA the overhead table also prints two GPU-ledger columns: what one micro-batch
+    keeps for its backward and synchronizing calls a micro-batch (from steps of 1 and of 3
+    micro-batches); here with CPU stand-ins for CUDA's sync debug mode."""
+    kept, direct, per_mb, table = run_on_ranks(_device_columns, 1)[0]
+    assert kept == direct and all(k > 0 for k in kept), (kept, direct)
+    assert per_mb == [2.0, 2.0], per_mb
+    assert "| kept MiB | kept/shared@eager | syncs/mb |" in table[1], table[1]
