@@ -4,11 +4,13 @@ every micro-batch's ``G = dL/dW_eff`` is accumulated into W's ``main_grad`` and 
 micro-batch maps the sum (layers/fold.py ``StepMap``), and each scale vector is computed once
 per step and its gradient reduced over its group once per step (vectors.py ``_value``); without
 a calculator every micro-batch does both. Both give the same losses, grad norms and SGD updates
-(relative to each tensor's scale) in one process, at DP2 with the distributed optimizer and
-overlapped reduction, and at TP2 with and without sequence parallelism; the map runs once per
-folded linear per step; at TP2 the vectors add at most 2 collectives per layer per micro-batch
-(DNP's statistics over the split FFN width, forward and backward); a calculator that disagrees
-with the schedule's micro-batch count is refused in one line."""
+(relative to each tensor's scale) in one process (local linears, local grouped experts, TE's
+linears and TE grouped experts over the test stand-in, with TE's fused wgrad accumulation on and
+off), at DP2 with the distributed optimizer and overlapped reduction, and at TP2 with and
+without sequence parallelism; the map runs once per folded weight per step; at TP2 the vectors
+add at most 2 collectives per layer per micro-batch (DNP's statistics over the split FFN width,
+forward and backward); a calculator that disagrees with the schedule's micro-batch count is
+refused in one line."""
 
 import contextlib
 import os
