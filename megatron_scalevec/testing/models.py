@@ -125,10 +125,11 @@ def wrap_ddp(model, config, distributed_optimizer: bool = False,
     """megatron-core DDP around ``model``; a list of chunks gets one DDP per chunk (a list
     back), bucketing only in the first, as Megatron-LM wraps virtual pipeline chunks.
     ``ddp_options``: more DistributedDataParallelConfig fields (``overlap_param_gather``,
-    ``align_param_gather``, ``bucket_size``)."""
+    ``align_param_gather``, ``bucket_size``, ``grad_reduce_in_fp32``: default True)."""
+    ddp_options.setdefault("grad_reduce_in_fp32", True)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
-        overlap_grad_reduce=overlap_grad_reduce, **ddp_options)
+        use_distributed_optimizer=distributed_optimizer, overlap_grad_reduce=overlap_grad_reduce,
+        **ddp_options)
     if isinstance(model, list):
         return [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0)
                 for i, m in enumerate(model)]
