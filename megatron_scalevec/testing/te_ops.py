@@ -45,6 +45,8 @@ def _no(**options) -> None:
 
 def _matmul(A, transa, B, transb):
     _plain(A, B)
+    if A.dtype != B.dtype:  # TE's non-FP8 GEMM takes operands of one type
+        raise TypeError(f"CPU stand-in GEMM: operands of one dtype, got {A.dtype} and {B.dtype}")
     a = A.reshape(-1, A.shape[-1])
     b = B.reshape(-1, B.shape[-1])
     d = (b.t() if transb else b).float() @ (a.t() if transa else a).float()
@@ -57,6 +59,9 @@ def _store(d, out, accumulate, alpha=1.0, beta=None):
     d = d * alpha if alpha != 1.0 else d
     if out is None:
         return d
+    if out.numel() != d.numel() or out.shape[-1] != d.shape[-1]:
+        raise ValueError(f"CPU stand-in GEMM: out of shape {tuple(out.shape)} for a result of "
+                         f"shape {tuple(d.shape)}")
     if accumulate:
         if beta is not None and beta != 1.0:  # cuBLAS scales C in the GEMM: no pass of its own
             out.mul_(beta)
@@ -69,7 +74,7 @@ def _store(d, out, accumulate, alpha=1.0, beta=None):
 def generic_gemm(A, transa, B, transb, out, quantizer, out_dtype, bias, bias_type, gelu,
                  gelu_in, grad, workspace, workspace_size, accumulate, use_split_accumulator,
                  comm_overlap=None, comm_type=None, extra_output=None, bulk_overlap=False,
-                 alpha=1.0, beta=None, **unused):
+                 alpha=1.0, beta=None):
     """One GEMM; returns (D, bias gradient, GELU input, extra output) as TE's binding does."""
     _no(output_quantizer=quantizer is not None, gelu=gelu, comm_overlap=comm_overlap is not None,
         bulk_overlap=bulk_overlap)
@@ -87,9 +92,10 @@ def generic_gemm(A, transa, B, transb, out, quantizer, out_dtype, bias, bias_typ
 
 def te_general_grouped_gemm(A, transa, B, transb, out, out_dtype, m_splits, bias, bias_dtype,
                             single_output, gelu_input, grad, workspaces, workspace_size,
-                            accumulate, use_split_accumulator, sm_margin=0, *args, **unused):
+                            accumulate, use_split_accumulator, sm_margin=0):
     """One GEMM per group (A[i], B[i]); with ``single_output`` the results are the row blocks
     of ``out[0]`` (sizes ``m_splits``). Returns the bias list (gradients when ``grad``)."""
+    _no(gelu=gelu_input is not None and any(g is not None and g.numel() for g in gelu_input))
     start = 0
     for i, (a, b) in enumerate(zip(A, B)):
         d = _matmul(a, transa, b, transb)

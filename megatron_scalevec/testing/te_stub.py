@@ -271,6 +271,14 @@ def activate() -> types.ModuleType:
     for name in [n for n in sys.modules if n.startswith("transformer_engine.pytorch.module")]:
         if hasattr(sys.modules[name], "get_dummy_wgrad"):
             sys.modules[name].get_dummy_wgrad = _dummy_wgrad
+    # TE's grouped GEMM allocates its bias gradients on device="cuda" inside _GroupedLinear's
+    # backward, on autograd's thread, where compat/cpu.py's device mode is not entered: enter
+    # it there (private _GroupedLinear, checked on 2.11.0 and 2.17.1)
+    grouped = importlib.import_module("transformer_engine.pytorch.module.grouped_linear")
+    from megatron_scalevec.compat import cpu as cpu_compat  # noqa: PLC0415
+
+    grouped._GroupedLinear.backward = staticmethod(
+        cpu_compat._in_device_mode(grouped._GroupedLinear.backward))
     # megatron-core caches TE's version on first ask (0.0.0 while TE was hidden, e.g. after a
     # Megatron-Bridge import asked): forget it. Private ``megatron.core.utils._te_version``,
     # checked on megatron-core 0.16.1 and 0.19.2.
