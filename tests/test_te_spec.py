@@ -327,17 +327,17 @@ def _local_name(name: str) -> str:
     for te_part, local_part in M.TE_FUSED_NORMS.items():
         name = name.replace(te_part, local_part)
     name = re.sub(r"experts\.expert_norms\.(\d+)\.", r"experts.local_experts.\1.", name)
-    name = re.sub(r"experts\.linear_fc(\d)\.weight(\d+)$",
-                  r"experts.local_experts.\2.linear_fc\1.weight", name)
+    name = re.sub(r"experts\.linear_fc(\d)\.(weight|bias)(\d+)$",
+                  r"experts.local_experts.\3.linear_fc\1.\2", name)
     return re.sub(r"experts\.linear_fc1\.scale_vectors\.(\d+)\.",
                   r"experts.local_experts.\1.linear_fc1.", name)
 
 
-def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp):
+def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp, extra=None):
     from megatron.core import dist_checkpointing
 
     _start(tp)
-    kw = dict(_moe(experts), sequence_parallel=tp > 1)
+    kw = dict(_moe(experts), sequence_parallel=tp > 1, **(extra or {}))
     local = M.build_gpt(M.tiny_config(**kw), strategy)
     M.perturb_vectors(local)
     M.save_model(local, os.path.join(tmp, "local"))
@@ -389,6 +389,26 @@ def test_te_forward_backward_equal_local_path(tmp_path, strategy, experts, group
     used = {"generic_gemm", "rmsnorm_fwd", "rmsnorm_bwd"}
     used |= {"te_general_grouped_gemm"} if grouped else set()
     assert used <= set(r["calls"]), r["calls"]
+
+
+EXTRA_CASES = [  # options users run with: biases (no DP: it refuses a bias), zero-centred
+    # gamma; dense and TE grouped experts
+    ("hg+dnp", 0, False, dict(add_bias_linear=True)),
+    ("hg+dnp", 4, True, dict(add_bias_linear=True)),
+    ("unified", 0, False, dict(layernorm_zero_centered_gamma=True)),
+    ("unified", 4, True, dict(layernorm_zero_centered_gamma=True)),
+]
+
+
+@needs_te
+@pytest.mark.parametrize("strategy,experts,grouped,extra", EXTRA_CASES,
+                         ids=["bias", "bias-te_grouped", "zero_centered",
+                              "zero_centered-te_grouped"])
+def test_te_forward_backward_equal_local_path_with_options(tmp_path, strategy, experts, grouped,
+                                                           extra):
+    r = run_on_ranks(_run_vs_local, 1, strategy, experts, grouped, 1, str(tmp_path), extra)[0]
+    assert not r["same"], r
+    assert r["dloss"] < 1e-5 * max(1.0, r["loss"]) and r["worst"] < 1e-4, r
 
 
 def _run_tp2(rank, world, strategy, experts, tmp):
