@@ -89,3 +89,38 @@ def test_metrics_continue_from_the_checkpoint_after_a_resume(tmp_path):
         f.write('{"iteration": 5, "lo')  # and mid-write
     run_on_ranks(_main, 1, flags + ["--load", str(ck)], timeout=180)
     assert _iterations(run) == [1, 2, 3, 4], _iterations(run)
+
+
+def _stats(rank, world):
+    import math
+
+    from benchmarks.host_syncs import count_host_syncs
+    from megatron_scalevec.testing import init_model_parallel
+    from megatron_scalevec.testing import models as M
+    from megatron_scalevec.training.monitor import scale_vector_stats
+    from megatron_scalevec.vectors import ScaleVector
+
+    init_model_parallel()
+    model = M.build_gpt(M.tiny_config(num_moe_experts=4, moe_router_topk=2,
+                                      moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.0),
+                        "hg+dnp+or")
+    M.perturb_vectors(model)
+    got = count_host_syncs(lambda: scale_vector_stats([model]))
+    want = {}  # each vector's norm and OR magnitude, read directly
+    for name, vec in model.named_modules():
+        if isinstance(vec, ScaleVector) and vec.enabled:
+            want[f"sv/{name}/norm"] = math.sqrt(float(vec.gamma().double().pow(2).sum()))
+            if vec.parameterization == "or":
+                want[f"sv/{name}/beta"] = float(vec.magnitude)
+    return got["counts"], got["result"], want
+
+
+def test_vector_statistics_read_the_host_once():
+    """Every --log-interval's scale-vector statistics (hundreds of vectors with many experts)
+    are one host read, not one per vector, and equal each vector's own values."""
+    counts, stats, want = run_on_ranks(_stats, 1)[0]
+    host_reads = sum(n for kind, n in counts.items() if kind in ("download", "sync"))
+    assert host_reads == 1, counts
+    assert len(want) > 20 and set(want) <= set(stats), sorted(set(want) - set(stats))
+    assert all(abs(stats[k] - v) <= 1e-6 * max(1.0, abs(v)) for k, v in want.items())
+    assert any(k.endswith("/conservation") for k in stats)

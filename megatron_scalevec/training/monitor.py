@@ -11,7 +11,6 @@ the whole ``linear_qkv`` / ``linear_fc1``).
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
@@ -43,7 +42,9 @@ def _col_sq_norm(linear, branch=None) -> torch.Tensor:
 @torch.no_grad()
 def scale_vector_stats(model) -> dict:
     """{"sv/<path>/norm", "sv/<path>/beta", "sv/<path>/conservation"} for this rank's vectors
-    (pipeline stage and expert shard; split vectors are reduced over their group)."""
+    (pipeline stage and expert shard; split vectors are reduced over their group). Each vector
+    is read through its module call (megatron-core's DDP hooks: an overlapped parameter gather
+    is waited for); every value stays on the device until one host read for all of them."""
     stats = {}
     for chunk_idx, chunk in enumerate(model):
         root = _unwrap(chunk)
@@ -64,11 +65,11 @@ def scale_vector_stats(model) -> dict:
             if not isinstance(vec, ScaleVector) or not vec.enabled:
                 continue
             key = f"sv/{name}" if len(model) == 1 else f"sv/chunk{chunk_idx}/{name}"
-            gamma = vec.gamma().detach().float()
+            gamma = vec().detach().float()  # its call: DDP's pre-hooks run first
             sq = sharding.all_reduce_sum(gamma.pow(2).sum(), vec.split_group)
-            stats[f"{key}/norm"] = math.sqrt(float(sq))
+            stats[f"{key}/norm"] = sq.sqrt()
             if vec.parameterization == "or":
-                stats[f"{key}/beta"] = float(vec.magnitude)
+                stats[f"{key}/beta"] = vec.magnitude.detach().float().reshape(())
             if id(vec) in feeds and vec.split_group is None:
                 linear, branch = feeds[id(vec)]
                 try:
@@ -76,8 +77,11 @@ def scale_vector_stats(model) -> dict:
                 except (RuntimeError, AttributeError):
                     continue
                 if wsq.shape == gamma.shape:
-                    stats[f"{key}/conservation"] = float((gamma.pow(2) - wsq).mean())
-    return stats
+                    stats[f"{key}/conservation"] = (gamma.pow(2) - wsq).mean()
+    if not stats:
+        return {}
+    values = torch.stack([t.reshape(()) for t in stats.values()]).tolist()  # one host read
+    return dict(zip(stats, values))
 
 
 class MetricsLog:
