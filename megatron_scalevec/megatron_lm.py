@@ -121,18 +121,55 @@ def iwd_overrides(config, overrides: Optional[dict], scalevec: ScaleVecConfig) -
     return merged
 
 
-# Megatron-LM flags our specs do not support yet: (args attribute, flag, why).
-UNSUPPORTED = [("use_megatron_fsdp", "--use-megatron-fsdp", "Megatron-FSDP's sharded parameters "
-                "are untested with the vectors' reads and folds; use the distributed optimizer"),
-               ("use_custom_fsdp", "--use-custom-fsdp", "Megatron-FSDP (see above)")]
+# Megatron-LM flags our specs do not support yet: (flag, set on these args?, why). Each is
+# refused in one line, exit 2, when Megatron-LM imports our --spec module, before the model is
+# built (refuse_unsupported_args), and again when the optimizer config is asked for.
+_UNTESTED = "untested with the scale vectors"
+UNSUPPORTED = [
+    ("--use-megatron-fsdp", lambda a: getattr(a, "use_megatron_fsdp", False),
+     "Megatron-FSDP's sharded parameters are untested with the vectors' reads and folds; use "
+     "the distributed optimizer"),
+    ("--use-custom-fsdp", lambda a: getattr(a, "use_custom_fsdp", False),
+     "Megatron-FSDP (see --use-megatron-fsdp)"),
+    ("--use-torch-fsdp2", lambda a: getattr(a, "use_torch_fsdp2", False),
+     "torch FSDP2 shards the weights the fold reads whole; use the distributed optimizer"),
+    ("--enable-cuda-graph / --external-cuda-graph / --cuda-graph-impl",
+     lambda a: (getattr(a, "enable_cuda_graph", False) or getattr(a, "external_cuda_graph", False)
+                or getattr(a, "cuda_graph_impl", "none") not in (None, "none")),
+     f"CUDA graphs are {_UNTESTED} (their once-per-step state and the folded weights' release "
+     f"live outside a graph)"),
+    ("--tp-comm-overlap", lambda a: getattr(a, "tp_comm_overlap", False),
+     f"TE's userbuffer overlap of the TP communication is {_UNTESTED}' folded TE linears"),
+    ("--context-parallel-size > 1", lambda a: (getattr(a, "context_parallel_size", 1) or 1) > 1,
+     f"context parallelism is {_UNTESTED}' gradient reductions"),
+    ("--fp4-format", lambda a: bool(getattr(a, "fp4", None)),
+     f"NVFP4 training is {_UNTESTED} folded into TE's weights"),
+    ("--fp8-recipe mxfp8", lambda a: getattr(a, "fp8", None) and
+     getattr(a, "fp8_recipe", None) == "mxfp8",
+     f"MXFP8 is {_UNTESTED} folded into TE's weights (delayed, tensorwise and blockwise "
+     f"recipes are not refused)"),
+]
 
 
 def refuse_unsupported(args) -> None:
     """One line and exit 2 for a flag the scale-vector specs do not support."""
-    for attr, flag, why in UNSUPPORTED:
-        if getattr(args, attr, False):
+    for flag, is_set, why in UNSUPPORTED:
+        if is_set(args):
             print(f"megatron_scalevec: {flag} is not supported: {why}", file=sys.stderr)
             raise SystemExit(2)
+
+
+def refuse_unsupported_args() -> None:
+    """Megatron-LM's parsed args checked where its ``--spec`` imports our spec module (inside
+    ``gpt_builder``, before the model is built); a no-op outside Megatron-LM."""
+    try:
+        from megatron.training import get_args  # noqa: PLC0415
+
+        args = get_args()
+    except (ImportError, AssertionError, AttributeError):  # no Megatron-LM, or no args yet
+        return
+    if args is not None:
+        refuse_unsupported(args)
 
 
 def wrap_optimizer_config(original):

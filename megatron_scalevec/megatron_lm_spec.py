@@ -20,3 +20,4 @@ scalevec_dense, scalevec_moe = megatron_lm.spec_objects()
 
 if "megatron.training" in sys.modules:  # imported by Megatron-LM's --spec
     megatron_lm.install()
+    megatron_lm.refuse_unsupported_args()  # before Megatron-LM builds the model

@@ -315,3 +315,39 @@ def test_megatron_fsdp_is_refused_in_one_line(capsys):
     assert len(err) == 1 and "--use-megatron-fsdp is not supported" in err[0], err
     args.spec = ["megatron.core.models.gpt.gpt_layer_specs", "nothing"]  # not our spec
     assert wrapped(args) == ("config", {})
+
+
+UNSUPPORTED_FLAGS = [
+    (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
+    (dict(enable_cuda_graph=True), "--enable-cuda-graph"),
+    (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl"),
+    (dict(tp_comm_overlap=True), "--tp-comm-overlap"),
+    (dict(context_parallel_size=2), "--context-parallel-size > 1"),
+    (dict(fp4="e2m1"), "--fp4-format"),
+    (dict(fp8="hybrid", fp8_recipe="mxfp8"), "--fp8-recipe mxfp8"),
+]
+
+
+@pytest.mark.parametrize("flags,named", UNSUPPORTED_FLAGS, ids=[n for _, n in UNSUPPORTED_FLAGS])
+def test_untested_gpu_features_are_refused_before_the_model_is_built(monkeypatch, capsys, flags,
+                                                                     named):
+    """Each GPU feature the scale vectors are untested with: one line naming the flag, exit 2,
+    when Megatron-LM's --spec imports our spec module (before gpt_builder builds the model);
+    the same args without the flag pass, and so do the FP8 recipes that are not refused."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(spec=["megatron_scalevec.megatron_lm_spec", "scalevec_dense"],
+                           cuda_graph_impl="none", context_parallel_size=1)
+    package = types.ModuleType("megatron.training")
+    package.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training", package)
+    megatron_lm.refuse_unsupported_args()  # none set: nothing refused
+    args.fp8, args.fp8_recipe = "hybrid", "tensorwise"
+    megatron_lm.refuse_unsupported_args()
+    for k, v in flags.items():
+        setattr(args, k, v)
+    with pytest.raises(SystemExit) as exit_info:
+        megatron_lm.refuse_unsupported_args()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0] and "is not supported" in err[0], err

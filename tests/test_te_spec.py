@@ -484,3 +484,33 @@ def test_te_keeps_no_folded_weight_after_the_forward():
     for strategy in ("hg+dp", "unified"):
         held, saved = kept["transformer_engine", strategy]
         assert saved - held >= folded, (strategy, folded, kept)
+
+
+def _bypassed_fold(rank, world, grouped):
+    import types
+
+    _start()
+    model = _te_model("hg+dp", **_moe(4 if grouped else 0, grouped))
+    b = M.batches(1, 2)[0]
+    with te_stub.cuda_claimed():
+        model(b["tokens"], b["position_ids"], None, labels=b["labels"])  # checked: it folds
+        folded = [m for m in model.modules() if getattr(m, "_fold_checked", False)]
+        victim = next(m for m in folded if ("Grouped" in type(m).__name__) == grouped)
+        te_base = next(c for c in type(victim).__mro__
+                       if c.__module__.startswith("transformer_engine")
+                       and "_get_weight_tensors" in vars(c))
+        victim._fold_checked = False  # a fresh process with a TE that reads weights its own way
+        victim._get_weight_tensors = types.MethodType(te_base._get_weight_tensors, victim)
+        try:
+            model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        except RuntimeError as err:
+            return len(folded), type(victim).__name__, str(err)
+    return len(folded), type(victim).__name__, None
+
+
+@needs_te
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "te_grouped"])
+def test_a_te_that_bypasses_the_fold_fails_loudly(grouped):
+    n, name, err = run_on_ranks(_bypassed_fold, 1, grouped)[0]
+    assert n > 0 and err is not None and ("Grouped" in name) == grouped, (n, name)
+    assert "did not call _get_weight_tensors()" in err and name in err, err

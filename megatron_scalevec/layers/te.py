@@ -125,6 +125,24 @@ def release_output(folds: fold.FoldedWeights, out):
     return folds.release_until_backward(out)
 
 
+def folded_forward(module, forward):
+    """``forward()`` of a folded TE module, whose first call fails loudly unless TE asked our
+    ``_get_weight_tensors()`` (which sets ``module._fold_seen``) for the weights it multiplied:
+    a TE build that reads its weights another way would train without the scale vectors."""
+    if module._fold_checked:
+        return forward()
+    module._fold_seen = False
+    out = forward()
+    if not module._fold_seen:
+        raise RuntimeError(
+            f"{type(module).__name__}: this Transformer Engine did not call "
+            f"_get_weight_tensors() in its forward, where the scale vectors are folded into the "
+            f"weight (TE 2.11.0 and 2.17.1 do): the vectors would not be applied; use a checked "
+            f"TE version or transformer_impl='local'")
+    module._fold_checked = True
+    return out
+
+
 def local_output_size(output_size: int, is_expert: bool) -> int:
     """A column-parallel linear's output rows on this rank (dense or expert TP)."""
     return output_size // sharding.group_size(sharding.tp_group(is_expert))
@@ -144,6 +162,7 @@ def make_te_classes(base: dict) -> dict:
             self._folds = fold.FoldedWeights()
             self._step_map, self._step = fold.StepMap(), None
             self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
+            self._fold_checked = self._fold_seen = False  # folded_forward
 
         def forward(self, x, *args, **kwargs):
             if not self.has_scale_vectors:
@@ -155,12 +174,14 @@ def make_te_classes(base: dict) -> dict:
             self._step = self._step_map.mode(self.weight)
             self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
             with self._folds:  # TE keeps the folded weight: released until its backward
-                return release_output(self._folds, super().forward(x, *args, **kwargs))
+                return release_output(self._folds, folded_forward(
+                    self, lambda: super(_Folded, self).forward(x, *args, **kwargs)))
 
         def _get_weight_tensors(self):  # TE private, checked on 2.11.0 and 2.17.1 (above)
             weights = super()._get_weight_tensors()
             if not self.has_scale_vectors:
                 return weights
+            self._fold_seen = True
             row, col = self.fold_vectors()
             if self._step is None:
                 return [self._folds([weights[0]], fold.single(row), fold.single(col),

@@ -48,6 +48,7 @@ from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 from megatron_scalevec.layers.moe import shared_expert_vectors
 from megatron_scalevec.layers.te import (
     check_foldable,
+    folded_forward,
     local_output_size,
     megatron_te_bases,
     release_output,
@@ -145,6 +146,7 @@ def make_grouped_linear_class(base):
             self._folds = fold.FoldedWeights()
             self._step_map, self._step = fold.StepMap(), None
             self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
+            self._fold_checked = self._fold_seen = False  # te.folded_forward
 
         def forward(self, *args, **kwargs):
             if not self.norms_applied:
@@ -159,12 +161,15 @@ def make_grouped_linear_class(base):
                                                for e in range(self.num_gemms)))
             self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
             with self._folds:  # TE keeps the folded weights: released until its backward
-                return release_output(self._folds, super().forward(*args, **kwargs))
+                return release_output(self._folds, folded_forward(
+                    self, lambda: super(ScaleVecTEColumnParallelGroupedLinear, self).forward(
+                        *args, **kwargs)))
 
         def _get_weight_tensors(self):  # TE private, checked on 2.11.0, 2.17.1 (layers/te.py)
             weights = list(super()._get_weight_tensors())
             if not self.has_scale_vectors:
                 return weights
+            self._fold_seen = True
             fc1 = Fc1View(self.scale_vectors)
             if self._step is None:
                 return list(stacked_forward_weight(fc1, weights, self._folds).unbind(0))
