@@ -233,6 +233,20 @@ def test_grouped_refuses_misaligned_widths():
     assert run_on_ranks(_misaligned, 1)[0]
 
 
+def _moe_act(rank, world):
+    init_model_parallel()
+    with pytest.raises(NotImplementedError, match="do not recompute 'moe_act'"):
+        M.build_gpt(moe_config(True, recompute_granularity="selective",
+                               recompute_modules=["moe_act"]), _strategy("unified"))
+    M.build_gpt(moe_config(True, recompute_granularity="selective",
+                           recompute_modules=["moe"]), _strategy("unified"))  # recomputed whole
+    return True
+
+
+def test_grouped_refuses_moe_act_recompute_it_would_ignore():
+    assert run_on_ranks(_moe_act, 1)[0]
+
+
 def test_grouped_linear_matches_per_group_matmul_with_empty_group():
     from megatron_scalevec.layers.grouped import grouped_linear
 

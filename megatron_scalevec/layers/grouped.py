@@ -150,6 +150,12 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                 raise NotImplementedError(f"grouped experts without TE do not support "
                                           f"config.{flag}; use transformer_impl="
                                           f"'transformer_engine' or grouped_gemm=False")
+        if config.recompute_granularity == "selective" and \
+                "moe_act" in (config.recompute_modules or ()):
+            raise NotImplementedError("grouped experts without TE do not recompute 'moe_act' "
+                                      "(config.recompute_modules); use TE grouped experts "
+                                      "(transformer_impl='transformer_engine'), or recompute "
+                                      "'moe' / full layers")
         super().__init__(num_local_experts, config, submodules, pg_collection, name,
                          scalevec=scalevec)
         self._step_map = fold.StepMap()
