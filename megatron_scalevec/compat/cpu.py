@@ -260,11 +260,13 @@ def _uneven_all_gather(orig):
     return all_gather
 
 
-def _in_device_mode(backward):
-    @functools.wraps(backward)
-    def run(ctx, *args):
+def in_device_mode(fn):
+    """``fn`` run under the device mode (patch 1): for code that runs on autograd's backward
+    thread, where the thread-local mode entered by ``enable_cpu_compat`` is not on."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
         with _CudaAsCpuMode():
-            return backward(ctx, *args)
+            return fn(*args, **kwargs)
 
     return run
 
@@ -285,7 +287,7 @@ def _patch_megatron():
     for name in ("CheckpointFunction", "CheckpointWithoutOutputFunction"):  # patch 12
         fn = getattr(mrandom, name, None)
         if fn is not None:
-            fn.backward = staticmethod(_in_device_mode(fn.backward))
+            fn.backward = staticmethod(in_device_mode(fn.backward))
 
     without_output = getattr(mrandom, "CheckpointWithoutOutput", None)
     if without_output is not None and not hasattr(mrandom, "FP8GlobalStateManager"):  # 13

@@ -134,9 +134,8 @@ class _FoldOncePerStep(torch.autograd.Function):
         mode, step_map, fused_accumulation = ctx.step
         if ctx.stacked:
             grads = grads[0].unbind(0)
-        if not fused_accumulation:
-            for w, g in zip(weights, grads):
-                w.main_grad.add_(g)
+        if not fused_accumulation:  # one launch for every expert
+            torch._foreach_add_([w.main_grad for w in weights], list(grads))
         step_map.accumulated = True
         d_row = d_col = None
         if mode == "map":
@@ -154,7 +153,16 @@ def fold_once_per_step(weights, row, col, layout: tuple, step) -> torch.Tensor:
     """[E, out, in]: the weights folded for one GEMM (a grouped GEMM) whose ``G`` the fold's
     backward adds to each W's ``main_grad``, mapped once per step (:class:`_FoldOncePerStep`);
     ``step``: (mode, StepMap), vectors [E, S, n]."""
+    row, col = _step_vectors(step[0], row, col)
     return _FoldOncePerStep.apply(row, col, layout, (*step, False), True, *weights)
+
+
+def _step_vectors(mode: str, row, col) -> tuple:
+    """The vectors a micro-batch's fold reads: detached but on the step's last micro-batch,
+    whose map gives them their whole step's gradient."""
+    if mode == "map":
+        return row, col
+    return tuple(None if v is None else v.detach() for v in (row, col))
 
 
 def _placeholder(weight: torch.Tensor) -> torch.Tensor:
@@ -227,6 +235,7 @@ class FoldedWeights:
         ``W.main_grad`` themselves (each ``W_eff`` carries its W's), or whose ``G`` is added
         there (:class:`_FoldOncePerStep`); ``step``: (mode, StepMap, fused), vectors
         [E, S, n]."""
+        row, col = _step_vectors(step[0], row, col)
         w_effs = _FoldOncePerStep.apply(row, col, layout, step, False, *weights)
         if self.held is not None and w_effs[0].requires_grad:  # their storage: one [E, out, in]
             self.held.append(_Held(w_effs[0]._base, weights, row, col, layout))

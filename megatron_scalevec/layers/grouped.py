@@ -99,10 +99,9 @@ def stacked_forward_weight(fc1: Fc1View, weights, folds=None) -> torch.Tensor:
     vectors are kept for backward (layers/fold.py ``Fold``; ``folds``: a
     ``fold.FoldedWeights`` that holds them for release)."""
     row, col = fold_vectors(fc1, weights[0].shape[-1])
-    layout = (fc1.groups, len(fc1.slots), fc1.rows)
     if folds is not None:
-        return folds(weights, row, col, layout)
-    return Fold.apply(row, col, layout, *weights)
+        return folds(weights, row, col, fc1.layout)
+    return Fold.apply(row, col, fc1.layout, *weights)
 
 
 def expert_norm_vectors(experts, config) -> tuple:
@@ -130,6 +129,7 @@ class Fc1View:
         self.experts = list(experts)
         first = self.experts[0]
         self.groups, self.slots, self.rows = first.groups, first.slots, first.rows
+        self.layout = (self.groups, len(self.slots), self.rows)  # layers/fold.py's
 
     def __getattr__(self, name):
         return getattr(self.experts[0], name)
@@ -178,12 +178,8 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         step = self._step_map.mode(*weights)
         if step is None:
             return stacked_forward_weight(fc1, weights)
-        row, col = fold_vectors(fc1, weights[0].shape[-1])
-        if step == "accumulate":  # the vectors' gradient comes with the map
-            row, col = (None if v is None else v.detach() for v in (row, col))
-        return fold.fold_once_per_step(weights, row, col,
-                                       (fc1.groups, len(fc1.slots), fc1.rows),
-                                       (step, self._step_map))
+        return fold.fold_once_per_step(weights, *fold_vectors(fc1, weights[0].shape[-1]),
+                                       fc1.layout, (step, self._step_map))
 
     def _activation(self, h: torch.Tensor, rows: glu.ExpertRows) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config

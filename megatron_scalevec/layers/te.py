@@ -29,6 +29,7 @@ backward included. FP8 is not exercised there (tools/te_check.py on a CUDA machi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -125,14 +126,16 @@ def release_output(folds: fold.FoldedWeights, out):
     return folds.release_until_backward(out)
 
 
-def folded_forward(module, forward):
-    """``forward()`` of a folded TE module, whose first call fails loudly unless TE asked our
-    ``_get_weight_tensors()`` (which sets ``module._fold_seen``) for the weights it multiplied:
+@contextlib.contextmanager
+def fold_checked(module):
+    """Around a folded TE module's forward: its first one fails loudly unless TE asked our
+    ``_get_weight_tensors()`` (which sets ``module._fold_seen``) for the weights it multiplied;
     a TE build that reads its weights another way would train without the scale vectors."""
     if module._fold_checked:
-        return forward()
+        yield
+        return
     module._fold_seen = False
-    out = forward()
+    yield
     if not module._fold_seen:
         raise RuntimeError(
             f"{type(module).__name__}: this Transformer Engine did not call "
@@ -140,7 +143,6 @@ def folded_forward(module, forward):
             f"weight (TE 2.11.0 and 2.17.1 do): the vectors would not be applied; use a checked "
             f"TE version or transformer_impl='local'")
     module._fold_checked = True
-    return out
 
 
 def local_output_size(output_size: int, is_expert: bool) -> int:
@@ -162,7 +164,7 @@ def make_te_classes(base: dict) -> dict:
             self._folds = fold.FoldedWeights()
             self._step_map, self._step = fold.StepMap(), None
             self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
-            self._fold_checked = self._fold_seen = False  # folded_forward
+            self._fold_checked = self._fold_seen = False  # fold_checked
 
         def forward(self, x, *args, **kwargs):
             if not self.has_scale_vectors:
@@ -173,9 +175,8 @@ def make_te_classes(base: dict) -> dict:
             # G through the fold. TE reads the flag in each forward (checked on 2.11.0, 2.17.1).
             self._step = self._step_map.mode(self.weight)
             self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
-            with self._folds:  # TE keeps the folded weight: released until its backward
-                return release_output(self._folds, folded_forward(
-                    self, lambda: super(_Folded, self).forward(x, *args, **kwargs)))
+            with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
+                return release_output(self._folds, super().forward(x, *args, **kwargs))
 
         def _get_weight_tensors(self):  # TE private, checked on 2.11.0 and 2.17.1 (above)
             weights = super()._get_weight_tensors()
@@ -186,8 +187,6 @@ def make_te_classes(base: dict) -> dict:
             if self._step is None:
                 return [self._folds([weights[0]], fold.single(row), fold.single(col),
                                     self.fold_layout)[0]]
-            if self._step == "accumulate":  # the vectors' gradient comes with the map
-                row, col = (None if v is None else v.detach() for v in (row, col))
             return self._folds.once_per_step(weights[:1], fold.single(row), fold.single(col),
                                              self.fold_layout, (self._step, self._step_map,
                                                                 self.fuse_wgrad_accumulation))

@@ -48,7 +48,7 @@ from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 from megatron_scalevec.layers.moe import shared_expert_vectors
 from megatron_scalevec.layers.te import (
     check_foldable,
-    folded_forward,
+    fold_checked,
     local_output_size,
     megatron_te_bases,
     release_output,
@@ -146,7 +146,7 @@ def make_grouped_linear_class(base):
             self._folds = fold.FoldedWeights()
             self._step_map, self._step = fold.StepMap(), None
             self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
-            self._fold_checked = self._fold_seen = False  # te.folded_forward
+            self._fold_checked = self._fold_seen = False  # te.fold_checked
 
         def forward(self, *args, **kwargs):
             if not self.norms_applied:
@@ -160,10 +160,8 @@ def make_grouped_linear_class(base):
             self._step = self._step_map.mode(*(getattr(self, f"weight{e}")
                                                for e in range(self.num_gemms)))
             self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
-            with self._folds:  # TE keeps the folded weights: released until its backward
-                return release_output(self._folds, folded_forward(
-                    self, lambda: super(ScaleVecTEColumnParallelGroupedLinear, self).forward(
-                        *args, **kwargs)))
+            with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
+                return release_output(self._folds, super().forward(*args, **kwargs))
 
         def _get_weight_tensors(self):  # TE private, checked on 2.11.0, 2.17.1 (layers/te.py)
             weights = list(super()._get_weight_tensors())
@@ -173,11 +171,8 @@ def make_grouped_linear_class(base):
             fc1 = Fc1View(self.scale_vectors)
             if self._step is None:
                 return list(stacked_forward_weight(fc1, weights, self._folds).unbind(0))
-            row, col = fold_vectors(fc1, weights[0].shape[-1])
-            if self._step == "accumulate":  # the vectors' gradient comes with the map
-                row, col = (None if v is None else v.detach() for v in (row, col))
             return self._folds.once_per_step(
-                weights, row, col, (fc1.groups, len(fc1.slots), fc1.rows),
+                weights, *fold_vectors(fc1, weights[0].shape[-1]), fc1.layout,
                 (self._step, self._step_map, self.fuse_wgrad_accumulation))
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

@@ -266,19 +266,20 @@ def activate() -> types.ModuleType:
     # TE's cached empty tensor is ``torch.Tensor().cuda()``: made once here, on this thread,
     # under compat/cpu.py's device mode (autograd's backward thread has no mode to map it)
     importlib.import_module("transformer_engine.pytorch.utils")._empty_tensor()
-    # TE's fused-accumulation backward takes a placeholder wgrad from ``get_dummy_wgrad``, made
-    # on device="cuda" and imported by name by its modules (checked on 2.11.0 and 2.17.1)
+    # Two of TE's backward steps allocate on device="cuda" on autograd's thread, where
+    # compat/cpu.py's device mode is not entered: the fused-accumulation placeholder wgrad
+    # (``get_dummy_wgrad``, imported by name by TE's modules) and _GroupedLinear's bias
+    # gradients. Both run under that mode (private names, checked on 2.11.0 and 2.17.1).
+    from megatron_scalevec.compat.cpu import in_device_mode  # noqa: PLC0415
+
+    dummy = in_device_mode(importlib.import_module(
+        "transformer_engine.pytorch.module.base").get_dummy_wgrad)
     for name in [n for n in sys.modules if n.startswith("transformer_engine.pytorch.module")]:
         if hasattr(sys.modules[name], "get_dummy_wgrad"):
-            sys.modules[name].get_dummy_wgrad = _dummy_wgrad
-    # TE's grouped GEMM allocates its bias gradients on device="cuda" inside _GroupedLinear's
-    # backward, on autograd's thread, where compat/cpu.py's device mode is not entered: enter
-    # it there (private _GroupedLinear, checked on 2.11.0 and 2.17.1)
+            sys.modules[name].get_dummy_wgrad = dummy
     grouped = importlib.import_module("transformer_engine.pytorch.module.grouped_linear")
-    from megatron_scalevec.compat import cpu as cpu_compat  # noqa: PLC0415
-
     grouped._GroupedLinear.backward = staticmethod(
-        cpu_compat._in_device_mode(grouped._GroupedLinear.backward))
+        in_device_mode(grouped._GroupedLinear.backward))
     # megatron-core caches TE's version on first ask (0.0.0 while TE was hidden, e.g. after a
     # Megatron-Bridge import asked): forget it. Private ``megatron.core.utils._te_version``,
     # checked on megatron-core 0.16.1 and 0.19.2.
@@ -294,19 +295,6 @@ def activate() -> types.ModuleType:
     ours._CACHE.clear()
     _state["te"] = te
     return te
-
-
-_DUMMY_WGRADS: dict = {}
-
-
-def _dummy_wgrad(shape, dtype, zero=False) -> torch.Tensor:
-    """A cached placeholder weight gradient on this machine's device (TE's is on CUDA)."""
-    key = (*shape, dtype)
-    if key not in _DUMMY_WGRADS:
-        _DUMMY_WGRADS[key] = torch.empty(*shape, dtype=dtype)
-    if zero:
-        _DUMMY_WGRADS[key].zero_()
-    return _DUMMY_WGRADS[key].detach()
 
 
 class _CudaTensors(torch.overrides.TorchFunctionMode):
