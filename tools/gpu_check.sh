@@ -11,11 +11,14 @@
 #      experts (rows VARIANT/grouped; stock has no grouped experts without TE);
 #   4. only where Transformer Engine (with its extension) imports: the TE path (tools/te_check.py)
 #      dense and MoE with TE grouped experts (unified with per-expert and with shared expert
-#      vectors, hg+dp), stock TE spec / shared / unified, bf16 and FP8
-#      (current scaling; block scaling where TE reports it): step time, max_memory_allocated,
-#      loss after N steps. TE cannot be carried to the lent device (its core library is over the
-#      carry limit), so this part runs on any CUDA machine with TE installed, and is skipped
-#      with one line elsewhere.
+#      vectors, hg+dp), stock TE spec / shared / unified, in bf16 and FP8: delayed scaling (amax
+#      history 1024, max: what examples/models.sh launches), current scaling, and block scaling
+#      where TE reports it. 20 optimizer steps of 4 micro-batches each (gradients accumulated,
+#      set_is_first_microbatch() before each step's first, as megatron-core's schedule does):
+#      step time and max_memory_allocated vs shared, the last step's loss and its relative
+#      difference to the same variant's bf16 loss. TE cannot be carried to the lent device (its
+#      core library is over the carry limit), so this part runs on any CUDA machine with TE
+#      installed, and is skipped with one line elsewhere.
 # megatron-core's cp312 wheel must be carried in .whl/ (device tool README: carry [".whl"]):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -62,15 +65,16 @@ timeout 170 python3 tools/bench_overhead.py --device cuda --bf16 --num-layers 4 
 
 # 4. the TE path, where TE is installed: dense, then MoE on TE grouped experts (TEGroupedMLP)
 #    with every kind of expert vector: unified per expert and shared per layer, hg+dp.
+#    Each in bf16, fp8-delayed, fp8-current and fp8-block (te_check.py's default --precisions).
 if python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
-  timeout 300 python3 tools/te_check.py --steps 20 --variants stock shared unified \
-    2>&1 | tee "$OUT/te_dense.md"
-  timeout 300 python3 tools/te_check.py --steps 20 --hidden-size 1024 --ffn-hidden-size 3072 \
-    --num-experts 64 --topk 8 --grouped-gemm --variants stock shared hg+dp unified \
-    2>&1 | tee "$OUT/te_moe.md"
-  timeout 200 python3 tools/te_check.py --steps 20 --hidden-size 1024 --ffn-hidden-size 3072 \
-    --num-experts 64 --topk 8 --grouped-gemm --expert-vectors shared --variants unified \
-    2>&1 | tee "$OUT/te_moe_shared_vectors.md"
+  timeout 600 python3 tools/te_check.py --steps 20 --micro-batches 4 \
+    --variants stock shared unified 2>&1 | tee "$OUT/te_dense.md"
+  timeout 600 python3 tools/te_check.py --steps 20 --micro-batches 4 --hidden-size 1024 \
+    --ffn-hidden-size 3072 --num-experts 64 --topk 8 --grouped-gemm \
+    --variants stock shared hg+dp unified 2>&1 | tee "$OUT/te_moe.md"
+  timeout 300 python3 tools/te_check.py --steps 20 --micro-batches 4 --hidden-size 1024 \
+    --ffn-hidden-size 3072 --num-experts 64 --topk 8 --grouped-gemm --expert-vectors shared \
+    --variants unified 2>&1 | tee "$OUT/te_moe_shared_vectors.md"
 else
   echo "gpu_check: Transformer Engine not importable here: TE path (part 4) skipped" \
     | tee "$OUT/te_skipped.txt"

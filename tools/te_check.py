@@ -1,15 +1,22 @@
 #!/usr/bin/env python
 """The Transformer Engine path on a CUDA machine with TE installed (tools/gpu_check.sh, part 4).
 
-Each variant (``stock``: megatron-core's own TE spec; or a strategy through our TE spec) trains
-N steps on fixed random tokens in each precision: ``bf16``, ``fp8-current`` (megatron-core's
-``fp8_recipe='tensorwise'``, TE's current scaling) and ``fp8-block`` (``'blockwise'``, when TE
-reports block scaling available: Hopper with CUDA >= 12.9). Reported per row: median step time,
-its ratio to ``shared`` in the same precision, ``torch.cuda.max_memory_allocated`` and the loss
-after the last step. One process, TP=PP=1.
+Each variant (``stock``: megatron-core's own TE spec; or a strategy through our TE spec) trains N
+optimizer steps on fixed random tokens, each step ``--micro-batches`` micro-batches with their
+gradients accumulated (loss averaged), as a training run does, in each precision: ``bf16``,
+``fp8-delayed`` (megatron-core's ``fp8_recipe='delayed'`` with amax history 1024 and ``max``, what
+examples/models.sh launches with FP8=1 through Megatron-LM), ``fp8-current`` (``'tensorwise'``, TE's
+current scaling) and ``fp8-block`` (``'blockwise'``, when TE reports block scaling available: Hopper
+with CUDA >= 12.9). Before each step's first micro-batch, ``model.set_is_first_microbatch()``
+re-arms TE's per-step FP8 weight cache, as megatron-core's schedule does; without it TE would reuse
+the first step's FP8 weights. Reported per row: median step time and total peak
+``torch.cuda.max_memory_allocated``, each also as a ratio to ``shared`` in the same precision, the
+mean micro-batch loss of the last step and its relative difference to the same variant's bf16 loss
+(an FP8 row that diverges shows there). One process, TP=PP=1.
 
-Usage: python tools/te_check.py [--variants stock shared unified] [--steps 20] [--num-experts 0]
-       [--grouped-gemm] [--expert-vectors per_expert|shared]
+Usage: python tools/te_check.py [--variants stock shared unified] [--steps 20] [--micro-batches 4]
+       [--precisions bf16 fp8-delayed fp8-current fp8-block] [--num-experts 0] [--grouped-gemm]
+       [--expert-vectors per_expert|shared]
 """
 
 from __future__ import annotations
@@ -20,7 +27,12 @@ import statistics
 import sys
 import time
 
-PRECISIONS = {"bf16": None, "fp8-current": "tensorwise", "fp8-block": "blockwise"}
+# precision -> megatron-core's fp8_recipe (megatron.core.enums.Fp8Recipe)
+PRECISIONS = {"bf16": None, "fp8-delayed": "delayed", "fp8-current": "tensorwise",
+              "fp8-block": "blockwise"}
+# delayed scaling as examples/models.sh launches it (--fp8-amax-history-len 1024
+# --fp8-amax-compute-algo max); megatron-core's defaults (1, most_recent) are not what users run
+DELAYED = dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
 
 
 def _fail(msg: str) -> None:
@@ -56,6 +68,8 @@ def _config(args, fp8_recipe):
                   moe_aux_loss_coeff=0.0)
     if fp8_recipe:
         kw.update(fp8="hybrid", fp8_recipe=fp8_recipe)
+        if fp8_recipe == "delayed":
+            kw.update(DELAYED)
     return TransformerConfig(**kw)
 
 
@@ -73,6 +87,36 @@ def _model(config, variant, args):
                     position_embedding_type="rope").cuda()
 
 
+def train(model, opt, micro_batches, steps, warmup=0, sync=None) -> tuple[list[float], float]:
+    """``warmup + steps`` optimizer steps, each over every micro-batch in ``micro_batches``
+    (``(inputs, positions, labels)``), gradients accumulated from the mean loss. Returns the
+    step times after warmup and the last step's mean loss.
+
+    Device-agnostic so a CPU test can check the FP8-relevant order: ``set_is_first_microbatch()``
+    once per step, before its first forward. ``sync`` (``torch.cuda.synchronize`` on a GPU) runs
+    around each timed step so the time covers the kernels, not their launch.
+    """
+    n = len(micro_batches)
+    times, loss = [], None
+    for step in range(warmup + steps):
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model.set_is_first_microbatch()  # TE re-quantizes its FP8 weights on the next forward
+        loss = 0.0
+        for inputs, positions, labels in micro_batches:
+            mb_loss = model(inputs, positions, None, labels=labels).float().mean() / n
+            mb_loss.backward()
+            loss = loss + mb_loss.detach()
+        opt.step()
+        if sync is not None:
+            sync()
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times, float(loss)
+
+
 def run_one(args, variant, precision) -> dict:
     import torch
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -82,35 +126,32 @@ def run_one(args, variant, precision) -> dict:
     model = _model(_config(args, PRECISIONS[precision]), variant, args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     g = torch.Generator(device="cuda").manual_seed(3)
-    tokens = torch.randint(0, args.vocab, (args.micro_batch_size, args.seq_length + 1),
-                           device="cuda", generator=g)
-    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    positions = torch.arange(args.seq_length, device="cuda").expand_as(inputs)
-    times, loss = [], None
+    positions = torch.arange(args.seq_length, device="cuda").expand(args.micro_batch_size, -1)
+    micro_batches = []
+    for _ in range(args.micro_batches):
+        tokens = torch.randint(0, args.vocab, (args.micro_batch_size, args.seq_length + 1),
+                               device="cuda", generator=g)
+        micro_batches.append((tokens[:, :-1].contiguous(), positions, tokens[:, 1:].contiguous()))
     torch.cuda.reset_peak_memory_stats()
-    for step in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = model(inputs, positions, None, labels=labels).float().mean()
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times, loss = train(model, opt, micro_batches, args.steps, args.warmup,
+                        sync=torch.cuda.synchronize)
     return dict(variant=variant, precision=precision, ms=1e3 * statistics.median(times),
-                peak=torch.cuda.max_memory_allocated() / 2**30, loss=float(loss))
+                peak=torch.cuda.max_memory_allocated() / 2**30, loss=loss)
 
 
 def report(rows) -> str:
+    """Markdown table; ratios against ``shared`` in the same precision, the loss against the same
+    variant in bf16 (relative difference: an FP8 row that diverges stands out)."""
     shared = {r["precision"]: r for r in rows if r["variant"] == "shared"}
+    bf16 = {r["variant"]: r for r in rows if r["precision"] == "bf16"}
     out = ["| variant | precision | step ms | time vs shared | peak GiB | peak vs shared "
-           "| loss after N |", "|---|---|---|---|---|---|---|"]
+           "| loss after N | loss vs bf16 |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        s = shared.get(r["precision"])
+        s, b = shared.get(r["precision"]), bf16.get(r["variant"])
         rel = (f"{r['ms'] / s['ms']:.3f}", f"{r['peak'] / s['peak']:.3f}") if s else ("n/a",) * 2
+        vs_bf16 = f"{(r['loss'] - b['loss']) / b['loss']:+.3%}" if b else "n/a"
         out.append(f"| {r['variant']} | {r['precision']} | {r['ms']:.1f} | {rel[0]} | "
-                   f"{r['peak']:.2f} | {rel[1]} | {r['loss']:.4f} |")
+                   f"{r['peak']:.2f} | {rel[1]} | {r['loss']:.4f} | {vs_bf16} |")
     return "\n".join(out)
 
 
@@ -118,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["stock", "shared", "unified"])
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps timed")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="micro-batches per optimizer step, gradients accumulated")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--num-layers", type=int, default=4)
@@ -139,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
+    if args.steps < 1 or args.micro_batches < 1:
+        _fail("--steps and --micro-batches must be at least 1")
     import torch
 
     if not torch.cuda.is_available():
@@ -155,7 +200,8 @@ def main(argv=None) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    probes = {"fp8-current": "is_fp8_available", "fp8-block": "is_fp8_block_scaling_available"}
+    probes = {"fp8-delayed": "is_fp8_available", "fp8-current": "is_fp8_available",
+              "fp8-block": "is_fp8_block_scaling_available"}
     rows = []
     for precision in args.precisions:
         if precision in probes:
