@@ -5,8 +5,8 @@ checkpoint keys; every strategy's ``_get_weight_tensors()`` fold and its gradien
 local path's; HG's fused norm weight is a frozen identity outside the checkpoint; checkpoints
 move between the TE and the local spec exactly; the refusals, against the real flag names; and
 TE's own fp32 forward and backward (its autograd functions over testing/te_ops.py's torch GEMMs
-and norms) give the local spec's loss and every gradient. FP8 needs a GPU (tools/te_check.py,
-tests/test_te_check.py).
+and norms) give the local spec's loss and every gradient. FP8: tests/test_te_fp8.py (TE's FP8
+Python on CPU) and tools/te_check.py on a GPU.
 """
 
 import contextlib

@@ -2,13 +2,16 @@
 forward and backward of ``LayerNormLinear``, ``Linear`` and ``GroupedLinear`` call (TE 2.11 and
 2.17.1, read from ``cpp_extensions/gemm.py`` and ``module/_common.py`` / ``layernorm_linear.py``
 of each): ``generic_gemm``, ``te_general_grouped_gemm``, ``rmsnorm_fwd`` / ``rmsnorm_bwd``,
-``layernorm_fwd`` / ``layernorm_bwd``; plus the two queries the modules make
-(``get_num_cublas_streams``, ``get_cudnn_version``). Installed on te_stub's stand-in extension.
+``layernorm_fwd`` / ``layernorm_bwd``; plus the queries the modules make
+(``get_num_cublas_streams``, ``get_cudnn_version``, ``get_cublasLt_version``, and
+``get_fused_attn_backend``: none, so TE's attention runs its unfused torch path in bf16 too).
+Installed on te_stub's stand-in extension, with te_fp8.py's FP8 kernels.
 
 GEMM convention (cuBLAS column-major, as TE calls it), in row-major torch terms:
 ``D = op(B) @ op(A)`` with ``op(X) = X.T`` when that operand's ``trans`` flag is set: TN is
-``x @ W.T`` (forward), NN ``dy @ W`` (dgrad), NT ``dy.T @ x`` (wgrad). Anything quantized
-(FP8 tensors, output quantizers), GELU fusion or communication overlap raises.
+``x @ W.T`` (forward), NN ``dy @ W`` (dgrad), NT ``dy.T @ x`` (wgrad). Per-tensor FP8 operands
+(both or neither) are multiplied dequantized, in fp32 (te_fp8.py); other quantized operands,
+output quantizers, GELU fusion and communication overlap raise.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import collections
 import functools
 
 import torch
+
+from megatron_scalevec.testing import te_fp8
 
 _TORCH = {"kFloat32": torch.float32, "kFloat16": torch.float16, "kBFloat16": torch.bfloat16,
           "kInt32": torch.int32, "kByte": torch.uint8}
@@ -30,11 +35,15 @@ def _torch_dtype(te_dtype, default):
     return _TORCH[te_dtype.name]
 
 
-def _plain(*tensors) -> None:
-    for t in tensors:
-        if t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise NotImplementedError(f"CPU stand-in GEMM: {type(t).__name__} operands (FP8 "
-                                      "and other quantized tensors) are not implemented")
+def _operand(t) -> torch.Tensor:
+    """A GEMM operand's values: plain tensors as they are, per-tensor FP8 ones dequantized to
+    fp32 (te_fp8.py); other quantized kinds raise."""
+    if te_fp8.is_fp8(t):
+        return te_fp8.value(t)
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise NotImplementedError(f"CPU stand-in GEMM: {type(t).__name__} operands (block / MX "
+                                  "/ NVFP4 quantized tensors) are not implemented")
+    return t
 
 
 def _no(**options) -> None:
@@ -44,7 +53,10 @@ def _no(**options) -> None:
 
 
 def _matmul(A, transa, B, transb):
-    _plain(A, B)
+    """Returns (D, B's values): D in fp32."""
+    if te_fp8.is_fp8(A) != te_fp8.is_fp8(B):  # TE's GEMM: both FP8 or neither
+        raise TypeError("CPU stand-in GEMM: one FP8 and one high-precision operand")
+    A, B = _operand(A), _operand(B)
     if A.dtype != B.dtype:  # TE's non-FP8 GEMM takes operands of one type
         raise TypeError(f"CPU stand-in GEMM: operands of one dtype, got {A.dtype} and {B.dtype}")
     a = A.reshape(-1, A.shape[-1])
@@ -52,7 +64,7 @@ def _matmul(A, transa, B, transb):
     d = (b.t() if transb else b).float() @ (a.t() if transa else a).float()
     if not transb and B.dim() > 2:
         d = d.reshape(*B.shape[:-1], d.shape[-1])
-    return d
+    return d, B
 
 
 def _store(d, out, accumulate, alpha=1.0, beta=None):
@@ -78,7 +90,10 @@ def generic_gemm(A, transa, B, transb, out, quantizer, out_dtype, bias, bias_typ
     """One GEMM; returns (D, bias gradient, GELU input, extra output) as TE's binding does."""
     _no(output_quantizer=quantizer is not None, gelu=gelu, comm_overlap=comm_overlap is not None,
         bulk_overlap=bulk_overlap)
-    d = _matmul(A, transa, B, transb)
+    fp8 = te_fp8.is_fp8(B)
+    if fp8 and out is None and out_dtype is None:
+        raise TypeError("CPU stand-in GEMM: an FP8 GEMM needs out or out_dtype")
+    d, B = _matmul(A, transa, B, transb)
     bias_grad = None
     if bias is not None and bias.numel():
         if grad:  # wgrad GEMM: the bias gradient is dY summed over tokens (B is dY here)
@@ -98,7 +113,7 @@ def te_general_grouped_gemm(A, transa, B, transb, out, out_dtype, m_splits, bias
     _no(gelu=gelu_input is not None and any(g is not None and g.numel() for g in gelu_input))
     start = 0
     for i, (a, b) in enumerate(zip(A, B)):
-        d = _matmul(a, transa, b, transb)
+        d, b = _matmul(a, transa, b, transb)
         has_bias = bias is not None and i < len(bias) and bias[i] is not None and bias[i].numel()
         if has_bias and grad:
             bias[i].copy_(b.reshape(-1, b.shape[-1]).float().sum(0))
@@ -114,7 +129,8 @@ def te_general_grouped_gemm(A, transa, B, transb, out, out_dtype, m_splits, bias
 
 
 def _norm_out(y, ln_out, quantizer, otype, x):
-    _no(output_quantizer=quantizer is not None)
+    if quantizer is not None:  # the norm kernel writes FP8 (te_fp8.py), from its fp32 result
+        return te_fp8._quantize(y, quantizer, ln_out, fake_dtype=_torch_dtype(otype, x.dtype))
     y = y.to(_torch_dtype(otype, x.dtype))
     if ln_out is not None:
         ln_out.copy_(y.reshape(ln_out.shape))
@@ -185,8 +201,13 @@ def _counted(fn):
 
 def install(mod) -> None:
     """Put the implemented functions on the stand-in extension module."""
-    for fn in FUNCTIONS:
+    for fn in FUNCTIONS + te_fp8.FUNCTIONS:
         setattr(mod, fn.__name__, _counted(fn))
     mod.get_num_cublas_streams = lambda: 4
+    mod.get_cublasLt_version = lambda: 120900  # TE's FP8 support check (>= 12.1.3)
+    # no fused (cuDNN) attention here: TE's DotProductAttention then runs its unfused torch path
+    # for bf16 / FP8 as it does for fp32 (flash-attn is not installed)
+    mod.get_fused_attn_backend = lambda *args, **kwargs: \
+        mod.NVTE_Fused_Attn_Backend.NVTE_No_Backend
     # DotProductAttention's constructor reads it (encoded as cudnn does: 9.10.0)
     mod.get_cudnn_version = lambda: 91000

@@ -218,6 +218,7 @@ def _lend_absent_packages():
 
 # ------------------------------------------------------------------ activation
 _MEGATRON_TE_MODULES = ("megatron.core.extensions.transformer_engine",  # in this order
+                        "megatron.core.fp8_utils",
                         "megatron.core.extensions.transformer_engine_spec_provider",
                         "megatron.core.models.backends",
                         "megatron.core.models.gpt.gpt_layer_specs",
@@ -287,14 +288,33 @@ def activate() -> types.ModuleType:
     if hasattr(mcore_utils, "_te_version"):
         mcore_utils._te_version = None
     for name in _MEGATRON_TE_MODULES:  # they decided HAVE_TE when first imported
-        if sys.modules.pop(name, None) is not None:
-            importlib.import_module(name)
+        old = sys.modules.pop(name, None)
+        if old is not None:
+            _rebind(old, importlib.import_module(name))
+    # megatron-core's experts module took TE's FP8 padding modules (or not) when first imported
+    # (private module-level names, megatron-core 0.16.1 and 0.19.2)
+    experts = sys.modules.get("megatron.core.transformer.moe.experts")
+    if experts is not None and not experts.HAVE_TE:
+        ext = sys.modules["megatron.core.extensions.transformer_engine"]
+        experts.Fp8Padding, experts.Fp8Unpadding = ext.Fp8Padding, ext.Fp8Unpadding
+        experts.HAVE_TE = True
     from megatron_scalevec.layers import te as ours  # noqa: PLC0415
 
     ours.HAVE_TE = True
     ours._CACHE.clear()
     _state["te"] = te
     return te
+
+
+def _rebind(old: types.ModuleType, new: types.ModuleType) -> None:
+    """Modules that imported a function or class by name from a re-imported megatron-core module
+    (e.g. ``transformer_block``'s ``get_fp8_context``) get the new module's, which sees TE."""
+    defined = {k: v for k, v in vars(old).items()
+               if getattr(v, "__module__", None) == old.__name__ and hasattr(new, k)}
+    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("megatron.") and m]:
+        for key, value in defined.items():
+            if vars(mod).get(key) is value:
+                setattr(mod, key, getattr(new, key))
 
 
 class _CudaTensors(torch.overrides.TorchFunctionMode):
@@ -320,14 +340,17 @@ def cuda_claimed():
     if not _state:
         raise RuntimeError("te_stub.cuda_claimed() outside an activated stand-in")
     saved = {name: getattr(torch.cuda, name) for name in _CLAIMED}
+    saved_version = torch.version.cuda
     for name, value in _CLAIMED.items():
         setattr(torch.cuda, name, value)
+    torch.version.cuda = "12.9"  # TE's FP8 support check reads it (None on a CPU build)
     try:
         with _CudaTensors():
             yield
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
+        torch.version.cuda = saved_version
 
 
 def hide_unusable_te() -> bool:
