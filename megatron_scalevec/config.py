@@ -164,3 +164,43 @@ def moe_layer_flags(num_layers: int, moe_layer_freq, is_moe: bool) -> list:
         raise ValueError(f"moe_layer_freq has {len(moe_layer_freq)} entries for {num_layers} "
                          f"layers")
     return [int(m) for m in moe_layer_freq]
+
+
+# Features the scale-vector specs do not support yet: (Megatron-LM flag, set on these options?,
+# why). The options are Megatron-LM's args or a TransformerConfig (the same names): Megatron-LM
+# refuses them when it imports our --spec module (megatron_lm.py), every entry point (our
+# trainer, Megatron-LM, Megatron-Bridge's providers) when the block spec is built, before any
+# model exists (specs.get_scalevec_block_spec).
+_UNTESTED = "untested with the scale vectors"
+UNSUPPORTED = [
+    ("--use-megatron-fsdp", lambda a: getattr(a, "use_megatron_fsdp", False),
+     "Megatron-FSDP's sharded parameters are untested with the vectors' reads and folds; use "
+     "the distributed optimizer"),
+    ("--use-custom-fsdp", lambda a: getattr(a, "use_custom_fsdp", False),
+     "Megatron-FSDP (see --use-megatron-fsdp)"),
+    ("--use-torch-fsdp2", lambda a: getattr(a, "use_torch_fsdp2", False),
+     "torch FSDP2 shards the weights the fold reads whole; use the distributed optimizer"),
+    ("--enable-cuda-graph / --external-cuda-graph / --cuda-graph-impl",
+     lambda a: (getattr(a, "enable_cuda_graph", False) or getattr(a, "external_cuda_graph", False)
+                or getattr(a, "cuda_graph_impl", "none") not in (None, "none")),
+     f"CUDA graphs are {_UNTESTED} (their once-per-step state and the folded weights' release "
+     f"live outside a graph)"),
+    ("--tp-comm-overlap", lambda a: getattr(a, "tp_comm_overlap", False),
+     f"TE's userbuffer overlap of the TP communication is {_UNTESTED}' folded TE linears"),
+    ("--context-parallel-size > 1", lambda a: (getattr(a, "context_parallel_size", 1) or 1) > 1,
+     f"context parallelism is {_UNTESTED}' gradient reductions"),
+    ("--fp4-format", lambda a: bool(getattr(a, "fp4", None)),
+     f"NVFP4 training is {_UNTESTED} folded into TE's weights"),
+    ("--fp8-recipe mxfp8", lambda a: getattr(a, "fp8", None) and
+     getattr(a, "fp8_recipe", None) == "mxfp8",
+     f"MXFP8 is {_UNTESTED} folded into TE's weights (delayed, tensorwise and blockwise "
+     f"recipes are not refused)"),
+]
+
+
+def unsupported_feature(options) -> Optional[str]:
+    """The first unsupported feature set on ``options``, as one line naming its flag, or None."""
+    for flag, is_set, why in UNSUPPORTED:
+        if is_set(options):
+            return f"{flag} is not supported: {why}"
+    return None

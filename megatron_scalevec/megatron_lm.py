@@ -45,7 +45,7 @@ import sys
 import warnings
 from typing import Optional
 
-from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.config import ScaleVecConfig, unsupported_feature
 
 logger = logging.getLogger(__name__)
 
@@ -121,42 +121,13 @@ def iwd_overrides(config, overrides: Optional[dict], scalevec: ScaleVecConfig) -
     return merged
 
 
-# Megatron-LM flags our specs do not support yet: (flag, set on these args?, why). Each is
-# refused in one line, exit 2, when Megatron-LM imports our --spec module, before the model is
-# built (refuse_unsupported_args), and again when the optimizer config is asked for.
-_UNTESTED = "untested with the scale vectors"
-UNSUPPORTED = [
-    ("--use-megatron-fsdp", lambda a: getattr(a, "use_megatron_fsdp", False),
-     "Megatron-FSDP's sharded parameters are untested with the vectors' reads and folds; use "
-     "the distributed optimizer"),
-    ("--use-custom-fsdp", lambda a: getattr(a, "use_custom_fsdp", False),
-     "Megatron-FSDP (see --use-megatron-fsdp)"),
-    ("--use-torch-fsdp2", lambda a: getattr(a, "use_torch_fsdp2", False),
-     "torch FSDP2 shards the weights the fold reads whole; use the distributed optimizer"),
-    ("--enable-cuda-graph / --external-cuda-graph / --cuda-graph-impl",
-     lambda a: (getattr(a, "enable_cuda_graph", False) or getattr(a, "external_cuda_graph", False)
-                or getattr(a, "cuda_graph_impl", "none") not in (None, "none")),
-     f"CUDA graphs are {_UNTESTED} (their once-per-step state and the folded weights' release "
-     f"live outside a graph)"),
-    ("--tp-comm-overlap", lambda a: getattr(a, "tp_comm_overlap", False),
-     f"TE's userbuffer overlap of the TP communication is {_UNTESTED}' folded TE linears"),
-    ("--context-parallel-size > 1", lambda a: (getattr(a, "context_parallel_size", 1) or 1) > 1,
-     f"context parallelism is {_UNTESTED}' gradient reductions"),
-    ("--fp4-format", lambda a: bool(getattr(a, "fp4", None)),
-     f"NVFP4 training is {_UNTESTED} folded into TE's weights"),
-    ("--fp8-recipe mxfp8", lambda a: getattr(a, "fp8", None) and
-     getattr(a, "fp8_recipe", None) == "mxfp8",
-     f"MXFP8 is {_UNTESTED} folded into TE's weights (delayed, tensorwise and blockwise "
-     f"recipes are not refused)"),
-]
-
-
 def refuse_unsupported(args) -> None:
-    """One line and exit 2 for a flag the scale-vector specs do not support."""
-    for flag, is_set, why in UNSUPPORTED:
-        if is_set(args):
-            print(f"megatron_scalevec: {flag} is not supported: {why}", file=sys.stderr)
-            raise SystemExit(2)
+    """One line and exit 2 for a flag the scale-vector specs do not support (when Megatron-LM
+    imports our --spec module, before the model is built; again for the optimizer config)."""
+    why = unsupported_feature(args)
+    if why:
+        print(f"megatron_scalevec: {why}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def refuse_unsupported_args() -> None:

@@ -351,3 +351,25 @@ def test_untested_gpu_features_are_refused_before_the_model_is_built(monkeypatch
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0] and "is not supported" in err[0], err
+
+
+CONFIG_FIELDS = [(f, n) for f, n in UNSUPPORTED_FLAGS if "use_torch_fsdp2" not in f]
+
+
+@pytest.mark.parametrize("fields,named", CONFIG_FIELDS, ids=[n for _, n in CONFIG_FIELDS])
+def test_untested_gpu_features_are_refused_when_the_spec_is_built(fields, named):
+    """The same features set on a TransformerConfig (our trainer, Megatron-Bridge's providers):
+    building our block spec raises one line naming the flag, before any model exists; the
+    config without it has nothing refused."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_scalevec.config import unsupported_feature
+    from megatron_scalevec.specs import get_scalevec_block_spec
+
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
+    assert unsupported_feature(config) is None
+    for k, v in fields.items():
+        object.__setattr__(config, k, v)  # past __post_init__'s own checks (CUDA, TE)
+    with pytest.raises(ValueError) as err:
+        get_scalevec_block_spec(config, "unified")
+    assert named in str(err.value) and "\n" not in str(err.value), err.value
