@@ -11,9 +11,14 @@ if _ROOT not in sys.path:
 # compiling every shape of every test would cost more than the tests themselves.
 os.environ.setdefault("MEGATRON_SCALEVEC_FUSED_COMPILE", "off")
 
+# The test-only stand-ins (scalevec_testing: TE's kernels, Bridge's GPU imports) are opted into
+# explicitly; forked ranks and subprocesses inherit it.
+os.environ["MEGATRON_SCALEVEC_STANDINS"] = "1"
+
 # Transformer Engine's wheel without its compiled extension (CI installs it for the TE tests,
-# which activate testing/te_stub.py in their forked ranks) must look absent to megatron-core.
-from megatron_scalevec.testing.te_stub import hide_unusable_te  # noqa: E402
+# which activate scalevec_testing/te_stub.py in their forked ranks) must look absent to
+# megatron-core.
+from scalevec_testing.te_stub import hide_unusable_te  # noqa: E402
 
 hide_unusable_te()
 

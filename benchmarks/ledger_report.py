@@ -1,14 +1,14 @@
 """The GPU cost ledger: what each scale-vector variant costs a GPU against megatron-core's stock
-spec and our ``shared``, per layout (local, Transformer Engine) and model (dense, MoE with
-grouped experts), measured on CPU with benchmarks/ledger.py's methods.
+spec and our ``shared``, per layout (local, Transformer Engine) and model (dense, MoE with grouped
+experts), measured on CPU with benchmarks/ledger.py's methods.
 
-Every model runs in forked gloo ranks (megatron_scalevec/testing/distributed.py); TE models run
-TE's real Python over the test-only CPU stand-in (testing/te_stub.py), as the TE tests do. The
-optimizer's learning rate is 0, so every step routes MoE tokens alike and per-step counts are
-the same at any micro-batch count; steps at 1 and at ``--ledger-micro-batches`` micro-batches
-are solved for the per-step and per-micro-batch parts (ledger.split). Peak memory reuses
-benchmarks/memory.py (local layout; the TE layout has no CPU peak: its stand-in kernels are not
-TE's). docs/benchmarks.md, "GPU cost ledger", defines every column.
+Every model runs in forked gloo ranks (scalevec_testing/distributed.py); TE models run TE's real
+Python over the test-only CPU stand-in (scalevec_testing/te_stub.py), as the TE tests do. The
+optimizer's learning rate is 0, so every step routes MoE tokens alike and per-step counts are the
+same at any micro-batch count; steps at 1 and at ``--ledger-micro-batches`` micro-batches are solved
+for the per-step and per-micro-batch parts (ledger.split). Peak memory reuses benchmarks/memory.py
+(local layout; the TE layout has no CPU peak: its stand-in kernels are not TE's).
+docs/benchmarks.md, "GPU cost ledger", defines every column.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import re
 import statistics
 import sys
@@ -55,8 +56,8 @@ def _build(name: str, cfg, layout: str):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_scalevec.testing import models as M
-    from megatron_scalevec.testing import te_stub
+    from scalevec_testing import models as M
+    from scalevec_testing import te_stub
 
     strategy, _ = overhead.parse_variant(name)
     if layout == "local":
@@ -78,8 +79,8 @@ class _Trainer:
     def __init__(self, name, cfg, layout, args):
         from megatron.core import parallel_state
 
-        from megatron_scalevec.testing import models as M
-        from megatron_scalevec.testing import te_stub
+        from scalevec_testing import models as M
+        from scalevec_testing import te_stub
 
         self.M, self.cfg = M, cfg
         self.model = _build(name, cfg, layout)
@@ -113,15 +114,15 @@ def _n_batches(args, dp):
 
 def _start(layout: str, args, tp: int = 1, ep: int = 1, threads=None) -> None:
     """In a forked rank: threads, TE's Python over the stand-in, parallel state, data sizes."""
-    from megatron_scalevec.testing import init_model_parallel
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import init_model_parallel
+    from scalevec_testing import models as M
 
     if threads:
         torch.set_num_threads(threads)
     if layout == "te":
-        import pytest  # noqa: F401  te_stub.activate() runs in test processes only
+        from scalevec_testing import OPT_IN, te_stub
 
-        from megatron_scalevec.testing import te_stub
+        os.environ[OPT_IN] = "1"  # TE's real Python over the test-only stand-in, by design
 
         te_stub.activate()
     init_model_parallel(tp=tp, ep=ep)
@@ -212,7 +213,7 @@ def _fused_as_one_op():
 def measure(args, layout: str, moe: bool) -> dict:
     """Every column of one table: {variant: row}, plus ``coll`` {parallel: per-variant
     counts or the error that layout raised}."""
-    from megatron_scalevec.testing.distributed import RankError, run_on_ranks
+    from scalevec_testing.distributed import RankError, run_on_ranks
 
     rows = run_on_ranks(_single, 1, layout, moe, args, timeout=args.timeout)[0]
     coll = {}
@@ -384,7 +385,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.device, args.bf16 = "cpu", False
-    from megatron_scalevec.testing import te_stub
+    from scalevec_testing import te_stub
 
     for layout in args.layouts:
         if layout == "te" and not te_stub.available():

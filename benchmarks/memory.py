@@ -63,7 +63,7 @@ def _child(argv: list) -> None:
     import torch
 
     from benchmarks import overhead
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     parser = overhead.build_parser()
     parser.add_argument("--variant", required=True)

@@ -127,7 +127,7 @@ def _sync(cuda: bool) -> None:
 
 def model_config(args):
     """The benchmark model's TransformerConfig (one place to add model or expert options)."""
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     config_kw = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -152,7 +152,7 @@ def config_of(name: str, args):
 
 
 def batches(args) -> list:
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     M.VOCAB, M.SEQ = args.vocab, args.seq_length
     data = M.batches(args.micro_batches, args.micro_batch_size)
@@ -163,7 +163,7 @@ def batches(args) -> list:
 
 def build_row(name: str, cfg, args, data) -> dict:
     """A variant built, wrapped in DDP with its optimizer, and its memory counted."""
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     strategy, compile_mode = parse_variant(name.removesuffix(NULL).removesuffix("/grouped"))
     model = M.build_gpt(cfg, strategy)
@@ -195,7 +195,7 @@ def run(args) -> list:
 
 def _run(args) -> list:
     from megatron_scalevec.layers import fused
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     cuda = args.device == "cuda"
     data = batches(args)
@@ -235,7 +235,7 @@ def _device_ledger(r, data) -> None:
     (from a step of 1 and one of ``len(data)`` micro-batches)."""
     from benchmarks.host_syncs import cuda_syncs
     from benchmarks.ledger import kept_bytes as kept
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     b = data[0]
     r["ddp"].zero_grad_buffer()  # a step's first micro-batch, as the fold counts them
@@ -445,7 +445,7 @@ def setup(args, keep_heap: bool) -> str:
     import torch.distributed as dist
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_scalevec.testing import init_model_parallel
+    from scalevec_testing import init_model_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:  # a free one: several benchmarks may share a machine

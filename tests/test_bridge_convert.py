@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from megatron_scalevec.testing import bridge_shim
-from megatron_scalevec.testing.distributed import run_on_ranks
+from scalevec_testing import bridge_shim
+from scalevec_testing.distributed import run_on_ranks
 
 bridge_shim.bridge_or_skip()
 import megatron_scalevec.convert.bridge as svb  # noqa: E402 -- after Bridge (shim)
@@ -94,7 +94,7 @@ def _convert(rank, world, hf_dir, strategy, allow, out_dir, tp=1):
     from megatron.bridge import AutoBridge
     from safetensors.torch import load_file
 
-    from megatron_scalevec.testing.distributed import init_model_parallel
+    from scalevec_testing.distributed import init_model_parallel
 
     init_model_parallel(tp=tp)
     bridge = AutoBridge.from_hf_pretrained(hf_dir)
@@ -194,7 +194,7 @@ def _stock_spec(rank, world, hf_dir):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from safetensors.torch import load_file
 
-    from megatron_scalevec.testing.distributed import init_model_parallel
+    from scalevec_testing.distributed import init_model_parallel
 
     init_model_parallel()
     bridge = AutoBridge.from_hf_pretrained(hf_dir)

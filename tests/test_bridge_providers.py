@@ -15,9 +15,9 @@ import types
 import pytest
 import torch
 
-from megatron_scalevec.testing import bridge_shim
-from megatron_scalevec.testing import models as M
-from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
+from scalevec_testing import bridge_shim
+from scalevec_testing import models as M
+from scalevec_testing.distributed import init_model_parallel, run_on_ranks
 
 bridge = bridge_shim.bridge_or_skip()
 

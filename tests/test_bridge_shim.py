@@ -13,13 +13,13 @@ import sys
 
 import pytest
 
-from megatron_scalevec.testing import bridge_shim
+from scalevec_testing import bridge_shim
 
 bridge_shim.bridge_or_skip()
 
 _BRIDGE_FIRST = """
 import sys
-from megatron_scalevec.testing.bridge_shim import import_bridge
+from scalevec_testing.bridge_shim import import_bridge
 import_bridge()
 from megatron.bridge.utils.import_utils import is_unavailable
 placeholders = [n for n, m in list(sys.modules.items()) if n.startswith("megatron.bridge") and m
@@ -29,7 +29,7 @@ from megatron_scalevec.compat.cpu import enable_cpu_compat
 assert enable_cpu_compat()
 from megatron.core.extensions import transformer_engine as te_ext
 assert not te_ext.HAVE_TE
-from megatron_scalevec.testing.bridge_shim import left_in_sys_modules
+from scalevec_testing.bridge_shim import left_in_sys_modules
 assert not left_in_sys_modules(), left_in_sys_modules()
 print("OK", len(placeholders))
 """

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_scalevec.compat import mcore
-from megatron_scalevec.testing import models as M
-from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
+from scalevec_testing.distributed import init_model_parallel, run_on_ranks
 
 HAVE_MUON = importlib.util.find_spec("emerging_optimizers") is not None
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_scalevec.testing import run_on_ranks
+from scalevec_testing import run_on_ranks
 
 TOL = 1e-5
 HF_TOL = 1e-4
@@ -105,7 +105,7 @@ def _fold_case(rank, world, kind):
 
     from megatron_scalevec.convert.build import build_model, logits, sample_batch
     from megatron_scalevec.convert.fold import fold_to_stock
-    from megatron_scalevec.testing.models import perturb_vectors
+    from scalevec_testing.models import perturb_vectors
 
     out = {}
     for strategy in FOLD:
@@ -150,7 +150,7 @@ def _hf_case(rank, world, tmp, strategy, extra):
     from megatron_scalevec.convert.fold import fold_to_stock
     from megatron_scalevec.convert.hf import export_hf, import_hf
     from megatron_scalevec.convert.warmstart import warm_start
-    from megatron_scalevec.testing.models import perturb_vectors
+    from scalevec_testing.models import perturb_vectors
 
     arch = _arch(scalevec=strategy, rotary_base=5000.0, layernorm_epsilon=1e-6, **extra)
     model = build_model(arch)
@@ -243,8 +243,8 @@ def _save_tp2(rank, world, tmp, strategy):
 
     from megatron_scalevec.convert.build import build_model, sample_batch
     from megatron_scalevec.convert.io import save_dist
-    from megatron_scalevec.testing import gather_full_tensor, init_model_parallel
-    from megatron_scalevec.testing.models import perturb_vectors
+    from scalevec_testing import gather_full_tensor, init_model_parallel
+    from scalevec_testing.models import perturb_vectors
 
     init_model_parallel(tp=2)
     arch = _arch(scalevec=strategy)
@@ -458,7 +458,7 @@ MOE_RUN = ["--spec", "scalevec_moe", "--num-experts", "4", "--moe-ffn-hidden-siz
 def _write_moe_source(rank, world, path):
     from megatron_scalevec.convert.build import build_model
     from megatron_scalevec.convert.io import full_state_dict, save_full
-    from megatron_scalevec.testing.models import perturb_vectors
+    from scalevec_testing.models import perturb_vectors
 
     arch = _arch(scalevec="unified", tie_embeddings=True, **MOE)
     model = build_model(arch, seed=7)

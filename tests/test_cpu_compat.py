@@ -21,7 +21,7 @@ from megatron.core.transformer.moe import moe_utils
 
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.compat.cpu import enable_cpu_compat, is_cpu_compat_enabled
-from megatron_scalevec.testing import gather_full_tensor, init_model_parallel, run_on_ranks
+from scalevec_testing import gather_full_tensor, init_model_parallel, run_on_ranks
 
 VOCAB, SEQ, MBS = 128, 16, 2
 

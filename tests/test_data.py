@@ -253,7 +253,7 @@ def _build_on_rank(rank, world_size, cache_dir, kw):
 
 
 def test_build_datasets_on_two_gloo_ranks(tmp_path):
-    from megatron_scalevec.testing.distributed import run_on_ranks
+    from scalevec_testing.distributed import run_on_ranks
 
     kw = dict(vocab_size=VOCAB, corpus_max_bytes=200_000, chunk_bytes=4096)
     out = run_on_ranks(_build_on_rank, 2, str(tmp_path), kw, timeout=120)
@@ -267,7 +267,7 @@ def _build_with(rank, world_size, cache_dir, tokenizer_model):
 
 
 def test_a_rank0_build_error_reaches_every_rank(tmp_path):
-    from megatron_scalevec.testing.distributed import RankError, run_on_ranks
+    from scalevec_testing.distributed import RankError, run_on_ranks
 
     missing = str(tmp_path / "no_such.model")
     with pytest.raises(RankError, match="no_such.model"):  # not a TimeoutError: nobody hangs

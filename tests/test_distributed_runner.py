@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_scalevec.compat.cpu import is_cpu_compat_enabled
-from megatron_scalevec.testing import (
+from scalevec_testing import (
     RankError,
     gather_full_tensor,
     init_model_parallel,

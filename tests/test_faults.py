@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from megatron_scalevec.testing.distributed import RankError, run_on_ranks
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
+from scalevec_testing.distributed import RankError, run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))

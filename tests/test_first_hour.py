@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron_scalevec.testing import run_on_ranks
+from scalevec_testing import run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))

@@ -11,8 +11,8 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 
 from benchmarks.overhead import saved_activation_bytes
 from megatron_scalevec.layers import fused, glu
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
 
 TOL = 1e-5
 

@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
 
 REL = 1e-5
 EXPERTS = 4
@@ -175,7 +175,7 @@ def _save_or_load(rank, world, kind, expert_vectors="per_expert", *, ep, save_di
                   load_dir=None):
     """Build ``kind`` experts (``te``: TE grouped, tests/test_te_grouped.py) at EP ``ep``; save
     with distinct experts per EP rank, or load; return the eval loss."""
-    from megatron_scalevec.testing import te_stub
+    from scalevec_testing import te_stub
 
     te, grouped = KINDS[kind]
     if te:

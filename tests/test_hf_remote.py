@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from megatron_scalevec.testing import run_on_ranks
+from scalevec_testing import run_on_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers (test extra) not installed")
@@ -66,7 +66,7 @@ def _export_case(rank, world, tmp, strategy, dtype_name, tokenizer, extra, cli=F
     from megatron_scalevec.convert.api import convert
     from megatron_scalevec.convert.build import build_model, logits, sample_batch
     from megatron_scalevec.convert.io import full_state_dict, save_full
-    from megatron_scalevec.testing.models import perturb_vectors
+    from scalevec_testing.models import perturb_vectors
 
     dtype = getattr(torch, dtype_name)
     arch = _arch(scalevec=strategy, **extra)

@@ -14,8 +14,8 @@ from test_te_grouped import _config as te_config
 from test_te_spec import _start, needs_te
 
 from benchmarks.host_syncs import count_host_syncs, experts_report, stalls
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
+from scalevec_testing import models as M
 
 DNP = ("unified", "hg+dnp")
 HIDDEN, COUNTS = 32, [10, 0, 17, 13]  # an expert without rows

@@ -22,6 +22,11 @@ def test_package_has_no_import_cycle():
     assert found == [], "\n".join(" -> ".join(c) for c in found)
 
 
+def test_test_support_has_no_import_cycle():
+    found = ic.cycles(ic.graph([os.path.join(ROOT, "scalevec_testing")]))
+    assert found == [], "\n".join(" -> ".join(c) for c in found)
+
+
 def test_evidence_tooling_has_no_import_cycle():
     found = ic.cycles(ic.graph([os.path.join(ROOT, "evidence")]))
     assert found == [], "\n".join(" -> ".join(c) for c in found)

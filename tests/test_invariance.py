@@ -8,9 +8,9 @@ import pytest
 
 from megatron_scalevec import ScaleVecConfig
 from megatron_scalevec.invariance import invariant_magnitudes, steps_until_epsilon, summary_line
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
-from megatron_scalevec.testing import models as M
 from megatron_scalevec.vectors import DECAYED_PARTS
+from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
 
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
            moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2)

@@ -11,8 +11,8 @@ SGD, whose update is linear in the gradient (a factor 2 anywhere fails).
 
 import pytest
 
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
 
 RTOL = 1e-4  # measured worst over these cases: ~3e-6 (float32 reduction order)
 LOSS_TOL = 2e-5

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from megatron_scalevec import megatron_lm
-from megatron_scalevec.testing import models as M
-from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
+from scalevec_testing.distributed import init_model_parallel, run_on_ranks
 
 LR, WD = 0.5, 0.2
 OUTPUT = re.compile(r"(q_norm|k_norm|v_norm|gate_norm|up_norm|scale_out\.)")
@@ -51,7 +51,7 @@ def _build_and_forward(rank, world, moe):
 
     from megatron_scalevec.norms import ScaleVecNorm
     from megatron_scalevec.specs import building
-    from megatron_scalevec.testing.models import SEQ, VOCAB, tiny_config
+    from scalevec_testing.models import SEQ, VOCAB, tiny_config
 
     init_model_parallel()
     config = tiny_config(**(dict(MOE, moe_layer_freq=[1, 0]) if moe else {}))
@@ -151,7 +151,7 @@ def _hook_and_wrappers(rank, world):
 
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_scalevec.testing.models import SEQ, VOCAB, tiny_config
+    from scalevec_testing.models import SEQ, VOCAB, tiny_config
 
     init_model_parallel()
     for name in [n for n in sys.modules if n.startswith("megatron.training")]:
@@ -241,7 +241,7 @@ def _iwd_groups(rank, world, moe):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_scalevec import specs
-    from megatron_scalevec.testing.models import SEQ, VOCAB, tiny_config
+    from scalevec_testing.models import SEQ, VOCAB, tiny_config
 
     init_model_parallel()
     training, _ = _fake_megatron_lm()

@@ -11,8 +11,8 @@ tensors, so expert tensors are compared at their global expert ids.
 import pytest
 import torch
 
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
 
 LOSS_TOL = 2e-5
 RTOL = 1e-4  # relative to each tensor's own scale (M.relative_mismatches)

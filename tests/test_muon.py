@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_scalevec.testing.distributed import run_on_ranks
+from scalevec_testing.distributed import run_on_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("emerging_optimizers") is None,
                                 reason="--optimizer muon needs emerging-optimizers "

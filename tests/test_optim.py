@@ -9,8 +9,8 @@ import re
 import pytest
 
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.testing import models as M
-from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
+from scalevec_testing.distributed import init_model_parallel, run_on_ranks
 
 LR, WD, SVWD = 0.5, 0.2, 0.6  # distinct values: the shrink factor tells which rule applied
 
@@ -43,7 +43,7 @@ def _build(strategy, tp, ep, moe, svwd, dist_opt, scheduler=True, **readings):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_scalevec.optim import build_optimizer
-    from megatron_scalevec.testing.models import build_gpt, tiny_config
+    from scalevec_testing.models import build_gpt, tiny_config
 
     init_model_parallel(tp=tp, ep=ep)
     cfg = ScaleVecConfig.from_string(strategy, scale_vector_weight_decay=svwd, **readings)
@@ -175,7 +175,7 @@ def test_vector_decay_follows_the_matrices_schedule():
 
 def _missing_rule(rank, world):
     from megatron_scalevec.optim import decay_rules, decay_summary
-    from megatron_scalevec.testing.models import build_gpt, tiny_config
+    from scalevec_testing.models import build_gpt, tiny_config
 
     init_model_parallel()
     model = build_gpt(tiny_config(), None)  # stock spec: no scale-vector attributes

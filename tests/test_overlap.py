@@ -16,8 +16,8 @@ import pytest
 from test_te_spec import needs_te
 
 from megatron_scalevec import ScaleVecConfig
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
+from scalevec_testing import models as M
 
 STEPS = 4
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,

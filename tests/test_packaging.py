@@ -204,3 +204,26 @@ def test_env_describe(case):
         text = "\n".join(env.describe(f))
         assert "megatron-core 0.20.0 (OUTSIDE" in text and "torch 2.12.0 (OUTSIDE" in text
         assert "installs nothing" in text and not env.ok(f)
+
+
+def test_the_wheel_holds_the_product_only(tmp_path):
+    """The built wheel ships ``megatron_scalevec`` and nothing test-only: no scalevec_testing
+    (TE / Bridge stand-ins, tiny models, gloo ranks), no tests, benchmarks or tools; the CPU
+    mode (compat/cpu.py) is part of the product and is in it."""
+    import shutil
+    import zipfile
+
+    build = os.path.join(ROOT, "build")  # setuptools' scratch in the source tree
+    had_build = os.path.exists(build)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--no-index", "-q", "-w", str(tmp_path), ROOT], check=True,
+                   env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=str(tmp_path),
+                   capture_output=True)
+    if not had_build:
+        shutil.rmtree(build, ignore_errors=True)
+    (wheel,) = tmp_path.glob("megatron_scalevec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"megatron_scalevec"}, tops
+    assert "megatron_scalevec/compat/cpu.py" in names and "megatron_scalevec/layers/te.py" in names
+    assert not [n for n in names if "te_stub" in n or "bridge_shim" in n or "/testing/" in n]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_scalevec.testing import run_on_ranks
+from scalevec_testing import run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -20,9 +20,9 @@ MOE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size"
 
 
 def _counts(rank, world, tp, ep, extra, run_dir):
-    from megatron_scalevec.testing.distributed import init_model_parallel
     from megatron_scalevec.training import build, summary
     from megatron_scalevec.training.arguments import parse_args
+    from scalevec_testing.distributed import init_model_parallel
 
     a = parse_args(MOE + ["--tensor-model-parallel-size", str(tp),
                           "--expert-model-parallel-size", str(ep), "--run-dir", run_dir,
@@ -44,8 +44,8 @@ def test_parameter_counts_do_not_depend_on_the_layout(extra, tmp_path):
 def _table(rank, world, strategy, svwd):
     from megatron_scalevec.config import ScaleVecConfig
     from megatron_scalevec.optim import decay_rules, decay_summary
-    from megatron_scalevec.testing.distributed import init_model_parallel
-    from megatron_scalevec.testing.models import build_gpt, tiny_config
+    from scalevec_testing.distributed import init_model_parallel
+    from scalevec_testing.models import build_gpt, tiny_config
 
     init_model_parallel()
     cfg = ScaleVecConfig.from_string(strategy, scale_vector_weight_decay=svwd)
@@ -95,10 +95,10 @@ def _stats(rank, world):
     import math
 
     from benchmarks.host_syncs import count_host_syncs
-    from megatron_scalevec.testing import init_model_parallel
-    from megatron_scalevec.testing import models as M
     from megatron_scalevec.training.monitor import scale_vector_stats
     from megatron_scalevec.vectors import ScaleVector
+    from scalevec_testing import init_model_parallel
+    from scalevec_testing import models as M
 
     init_model_parallel()
     model = M.build_gpt(M.tiny_config(num_moe_experts=4, moe_router_topk=2,

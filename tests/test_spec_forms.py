@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatron_scalevec import megatron_lm
-from megatron_scalevec.testing import models as M
-from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
+from scalevec_testing.distributed import init_model_parallel, run_on_ranks
 
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
            moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_layer_freq=[0, 1])

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megatron_scalevec import ScaleVecConfig
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
 
 
 def _loss_and_grads(model, data):

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from megatron.core.transformer.module import Float16Module
 
 from megatron_scalevec.layers import fold
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
+from scalevec_testing import models as M
 
 STEPS, MICRO = 2, 8
 REQUIRE_TE = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
@@ -37,7 +37,7 @@ def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=Fal
            experts=0, steps=STEPS, recompute=False, sequence_parallel=None, te=False,
            te_fused_wgrad=False, grouped=False, bf16=False):
     context = contextlib.nullcontext
-    if te:  # TE's real Python over the test stand-in (testing/te_stub.py)
+    if te:  # TE's real Python over the test stand-in (scalevec_testing/te_stub.py)
         te_stub.activate()
         context, kw_te = te_stub.cuda_claimed, dict(transformer_impl="transformer_engine")
     init_model_parallel(tp=tp)

@@ -1,10 +1,10 @@
 """FP8 through Transformer Engine's own Python on CPU: TE's quantizers, ``Float8Tensor``, weight
-workspaces, ``fp8_autocast`` and delayed scaling's amax history run over testing/te_fp8.py's
-torch stand-ins of its per-tensor FP8 kernels, inside the forked ranks only. Checked: the
-kernels against plain torch float8 casts and matmuls (and TE's own Python scale update); every
-strategy's FP8 forward and backward against its bf16 one, dense and on TE grouped experts, for
-delayed and current scaling; the FP8 weight TE caches for a step is quantized from the folded
-weight once a step, through megatron-core's schedule and ``set_is_first_microbatch``; an FP8
+workspaces, ``fp8_autocast`` and delayed scaling's amax history run over
+scalevec_testing/te_fp8.py's torch stand-ins of its per-tensor FP8 kernels, inside the forked ranks
+only. Checked: the kernels against plain torch float8 casts and matmuls (and TE's own Python scale
+update); every strategy's FP8 forward and backward against its bf16 one, dense and on TE grouped
+experts, for delayed and current scaling; the FP8 weight TE caches for a step is quantized from the
+folded weight once a step, through megatron-core's schedule and ``set_is_first_microbatch``; an FP8
 checkpoint (TE's scaling state included) resumes exactly."""
 
 import os
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
+from scalevec_testing import models as M
 
 REQUIRED = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
 pytestmark = pytest.mark.skipif(not te_stub.available() and not REQUIRED,
@@ -107,7 +107,7 @@ def _one(strategy, recipe, experts, grouped):
         model = M.build_gpt(M.tiny_config(**kw), strategy)
     M.perturb_vectors(model)
     b = M.batches(1, 2)[0]
-    from megatron_scalevec.testing import te_ops
+    from scalevec_testing import te_ops
 
     te_ops.CALLS.clear()
     with te_stub.cuda_claimed():
@@ -210,7 +210,7 @@ def _weight_cache(rank, world, recipe, grouped, rearm):
     init_model_parallel()
     from megatron.core.transformer.module import MegatronModule
 
-    from megatron_scalevec.testing import te_ops
+    from scalevec_testing import te_ops
 
     if not rearm:  # what a loop without megatron-core's schedule does
         MegatronModule.set_is_first_microbatch = lambda self: None

@@ -1,5 +1,5 @@
 """Every strategy on Transformer Engine grouped experts (layers/te_grouped.py), run through TE's
-own autograd functions on CPU (testing/te_stub.py, testing/te_ops.py: the grouped GEMM, GEMM and
+own autograd functions on CPU (scalevec_testing/te_stub.py, te_ops.py: the grouped GEMM, GEMM and
 norm kernels in torch, fp32), against our sequential experts: same loss and every gradient
 (relative to each tensor's scale), in one process for every strategy, per-expert and shared
 expert vectors, and at EP2, expert TP2 + SP and with the alltoall dispatcher; checkpoints move
@@ -15,8 +15,8 @@ from test_grouped import LAYOUTS as GROUPED_LAYOUTS
 from test_grouped import _rel_diffs, _save_or_load
 from test_te_spec import _start, compare_with_local, needs_te
 
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_ops, te_stub
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks, te_ops, te_stub
+from scalevec_testing import models as M
 
 EXPERTS = 4
 REL = 1e-5

@@ -1,9 +1,9 @@
-"""The test-only torch stand-ins of Transformer Engine's kernels (testing/te_ops.py), driven
-through TE's real modules (Linear, LayerNormLinear, GroupedLinear, RMSNorm / LayerNorm) and
-checked against plain ``torch.nn.functional``: bias and its gradient, RMSNorm and LayerNorm with
-and without zero-centred gamma, bf16, fused wgrad accumulation into ``main_grad``, grouped GEMMs
-with uneven (and empty) splits. The stand-in refuses what TE's kernels refuse: mismatched
-dtypes, a wrongly shaped ``out``, arguments TE's binding does not take."""
+"""The test-only torch stand-ins of Transformer Engine's kernels (scalevec_testing/te_ops.py),
+driven through TE's real modules (Linear, LayerNormLinear, GroupedLinear, RMSNorm / LayerNorm) and
+checked against plain ``torch.nn.functional``: bias and its gradient, RMSNorm and LayerNorm with and
+without zero-centred gamma, bf16, fused wgrad accumulation into ``main_grad``, grouped GEMMs with
+uneven (and empty) splits. The stand-in refuses what TE's kernels refuse: mismatched dtypes, a
+wrongly shaped ``out``, arguments TE's binding does not take."""
 
 import os
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_scalevec.testing import run_on_ranks, te_ops, te_stub
+from scalevec_testing import run_on_ranks, te_ops, te_stub
 
 REQUIRE_TE = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
 pytestmark = pytest.mark.skipif(not te_stub.available() and not REQUIRE_TE,

@@ -1,8 +1,8 @@
-"""What the Transformer Engine path refuses, each in one line naming the real flag or option
-(TE's real Python over testing/te_stub.py, inside forked ranks): TE options that cannot carry a
-fold (every one that is a TransformerConfig field of this megatron-core), the activation mode,
-and a TE build that reads its weights without asking our ``_get_weight_tensors()`` (it fails
-loudly on the folded module's first forward)."""
+"""What the Transformer Engine path refuses, each in one line naming the real flag or option (TE's
+real Python over scalevec_testing/te_stub.py, inside forked ranks): TE options that cannot carry a
+fold (every one that is a TransformerConfig field of this megatron-core), the activation mode, and a
+TE build that reads its weights without asking our ``_get_weight_tensors()`` (it fails loudly on the
+folded module's first forward)."""
 
 import dataclasses
 import os
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from megatron_scalevec.layers import te
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
+from scalevec_testing import models as M
 
 REQUIRED = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
 needs_te = pytest.mark.skipif(not te_stub.available() and not REQUIRED,

@@ -1,12 +1,12 @@
 """The Transformer Engine path (layers/te.py) over megatron-core's real TE wrappers and TE's real
-Python modules (TE's pure-Python wheel, made importable on CPU by testing/te_stub.py inside the
-forked ranks only). Checked: the spec layout; ``shared`` has the stock TE spec's parameters and
-checkpoint keys; every strategy's ``_get_weight_tensors()`` fold and its gradients equal the
-local path's; HG's fused norm weight is a frozen identity outside the checkpoint; checkpoints
-move between the TE and the local spec exactly; and TE's own fp32 and bf16 forward and backward
-(its autograd functions over testing/te_ops.py's torch GEMMs and norms) give the local spec's
-loss and every gradient. Refusals: tests/test_te_refusals.py. FP8: tests/test_te_fp8.py (TE's
-FP8 Python on CPU) and tools/te_check.py on a GPU.
+Python modules (TE's pure-Python wheel, made importable on CPU by scalevec_testing/te_stub.py inside
+the forked ranks only). Checked: the spec layout; ``shared`` has the stock TE spec's parameters and
+checkpoint keys; every strategy's ``_get_weight_tensors()`` fold and its gradients equal the local
+path's; HG's fused norm weight is a frozen identity outside the checkpoint; checkpoints move between
+the TE and the local spec exactly; and TE's own fp32 and bf16 forward and backward (its autograd
+functions over scalevec_testing/te_ops.py's torch GEMMs and norms) give the local spec's loss and
+every gradient. Refusals: tests/test_te_refusals.py. FP8: tests/test_te_fp8.py (TE's FP8 Python on
+CPU) and tools/te_check.py on a GPU.
 """
 
 import contextlib
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_scalevec.layers import te
-from megatron_scalevec.testing import init_model_parallel, run_on_ranks, te_stub
-from megatron_scalevec.testing import models as M
+from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
+from scalevec_testing import models as M
 
 # CI (.ci/run) installs TE's Python and sets this: there a missing TE fails instead of skipping.
 REQUIRED = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"
@@ -280,7 +280,7 @@ def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp, extra=None):
     state = dist_checkpointing.load(M.te_as_local_keys(model.sharded_state_dict()),
                                     os.path.join(tmp, "local"))
     model.load_state_dict(state, strict=False)
-    from megatron_scalevec.testing import te_ops
+    from scalevec_testing import te_ops
 
     te_ops.CALLS.clear()
     r = compare_with_local(local, model, M.batches(1, 2)[0])

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megatron_scalevec.testing.distributed import RankError, run_on_ranks
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
+from scalevec_testing.distributed import RankError, run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # resuming with a longer --train-iters changes the LR schedule: say which applies

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_scalevec.testing import run_on_ranks
 from megatron_scalevec.vectors import ScaleVector, stacked
+from scalevec_testing import run_on_ranks
 
 
 @pytest.mark.parametrize("kind,parts", [("plain", {"weight"}), ("or", {"magnitude", "direction"}),
@@ -62,7 +62,7 @@ def test_bad_role():
 def _split_vs_full(rank, world, kind):
     from megatron.core import parallel_state
 
-    from megatron_scalevec.testing import init_model_parallel
+    from scalevec_testing import init_model_parallel
 
     init_model_parallel(tp=2)
     tp = parallel_state.get_tensor_model_parallel_group()

@@ -16,7 +16,7 @@ import torch
 
 def compare(strategy: str, config_kw: dict, device: str, dtype) -> dict:
     from megatron_scalevec.config import ScaleVecConfig
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     cfg = ScaleVecConfig.from_string(strategy)
     batch = {k: v.to(device) for k, v in M.batches(1, 2)[0].items()}
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         enable_cpu_compat()
     import torch.distributed as dist
 
-    from megatron_scalevec.testing import init_model_parallel
+    from scalevec_testing import init_model_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29623")

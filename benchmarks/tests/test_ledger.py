@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.ledger import Collectives, HostSyncs, Traffic, kept_bytes, split
-from megatron_scalevec.testing.distributed import run_on_ranks
+from scalevec_testing.distributed import run_on_ranks
 
 
 class _Pin(torch.autograd.Function):

@@ -7,8 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from megatron_scalevec.testing import models as M
-from megatron_scalevec.testing.distributed import init_model_parallel, run_on_ranks
+from scalevec_testing import models as M
+from scalevec_testing.distributed import init_model_parallel, run_on_ranks
 
 
 def _adam_steps(config, grads, fused):
@@ -145,7 +145,7 @@ def test_benchmark_stand_ins_match_megatron_local_fallbacks():
 def _bench_order(rank, world):
     init_model_parallel()
     from benchmarks import overhead as bench
-    from megatron_scalevec.testing import models as M
+    from scalevec_testing import models as M
 
     args = bench.build_parser().parse_args(
         ["--variants", "stock", "shared@eager", "unified@eager", "--num-layers", "1",

@@ -23,8 +23,9 @@ place right before its backward (``fold.FoldedWeights``), so nothing weight-size
 micro-batch in flight, as on the local path.
 Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
 megatron-core's real TE wrappers: tests/test_te_spec.py, on CPU through the test-only stand-in
-for TE's compiled extension (testing/te_stub.py, testing/te_ops.py), TE's own fp32 forward and
-backward included. FP8 is not exercised there (tools/te_check.py on a CUDA machine with TE).
+for TE's compiled extension (scalevec_testing/te_stub.py, te_ops.py), TE's own fp32 and bf16
+forward and backward included; FP8 (delayed and current scaling) through TE's own FP8 Python in
+tests/test_te_fp8.py; on a CUDA machine with TE, tools/te_check.py.
 """
 
 from __future__ import annotations

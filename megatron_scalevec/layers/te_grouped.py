@@ -21,7 +21,7 @@ are zero (``N(0) = 0``) and carry probability 0, so they change nothing.
 Checkpoints use the sequential experts' keys (``experts.linear_fc1.scale_in...``,
 ``experts.gate_norm...``, ``shared_vectors...``) at global expert ids: they move between
 sequential, local grouped and TE grouped experts. Tested on CPU through TE's own autograd
-functions (tests/test_te_grouped.py, testing/te_stub.py).
+functions (tests/test_te_grouped.py, scalevec_testing/te_stub.py).
 """
 
 from __future__ import annotations

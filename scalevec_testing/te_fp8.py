@@ -19,6 +19,19 @@ import sys
 
 import torch
 
+_TORCH = {"kFloat32": torch.float32, "kFloat16": torch.float16, "kBFloat16": torch.bfloat16,
+          "kInt32": torch.int32, "kByte": torch.uint8}
+
+
+def torch_dtype(te_dtype, default):
+    """A TE dtype enum (or a torch dtype, or None: ``default``) as a torch dtype."""
+    if te_dtype is None:
+        return default
+    if isinstance(te_dtype, torch.dtype):
+        return te_dtype
+    return _TORCH[te_dtype.name]
+
+
 _FORMATS = {"kFloat8E4M3": torch.float8_e4m3fn, "kFloat8E5M2": torch.float8_e5m2}
 _PER_TENSOR = ("Float8Quantizer", "Float8CurrentScalingQuantizer")
 
@@ -140,7 +153,9 @@ def _current_scale(quantizer, amax: torch.Tensor) -> torch.Tensor:
     return scale
 
 
-def _quantize(x: torch.Tensor, quantizer, output=None, noop_flag=None, fake_dtype=None):
+def cast(x: torch.Tensor, quantizer, output=None, noop_flag=None, fake_dtype=None):
+    """The one FP8 cast behind ``quantize``, ``split_quantize``, ``bgrad_quantize`` and the norms'
+    output quantizer; ``fake_dtype``: the nominal dtype of a new ``Float8Tensor``."""
     kind = _check(quantizer)
     if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
         return output  # TE's kernels skip their whole work on a set flag (CUDA graphs)
@@ -166,20 +181,20 @@ def _quantize(x: torch.Tensor, quantizer, output=None, noop_flag=None, fake_dtyp
 def quantize(tensor, quantizer, output=None, noop_flag=None):
     """``tex.quantize``: cast with the quantizer's scale (delayed) or this tensor's own (current),
     into ``output`` where given."""
-    return _quantize(tensor, quantizer, output, noop_flag)
+    return cast(tensor, quantizer, output, noop_flag)
 
 
 def split_quantize(tensor, split_sections, quantizer_list, disable_bulk_allocation=False):
     """``tex.split_quantize``: row blocks of ``tensor``, each with its own quantizer (2.17's
     ``disable_bulk_allocation`` only chooses how the outputs are allocated)."""
-    return [_quantize(part, q) for part, q in
+    return [cast(part, q) for part, q in
             zip(torch.split(tensor, list(split_sections)), quantizer_list)]
 
 
 def bgrad_quantize(grad, quantizer):
     """``tex.bgrad_quantize``: (bias gradient over tokens, quantized gradient)."""
     bias_grad = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(grad.dtype)
-    return bias_grad, _quantize(grad, quantizer)
+    return bias_grad, cast(grad, quantizer)
 
 
 def value(t) -> torch.Tensor:
@@ -193,9 +208,7 @@ def value(t) -> torch.Tensor:
 
 def dequantize(tensor, otype):
     """``tex.dequantize``: FP8 -> ``otype``."""
-    from megatron_scalevec.testing.te_ops import _torch_dtype  # noqa: PLC0415
-
-    return value(tensor).to(_torch_dtype(otype, torch.float32))
+    return value(tensor).to(torch_dtype(otype, torch.float32))
 
 
 def fp8_transpose(data, fp8_dtype, out=None):

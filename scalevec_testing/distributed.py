@@ -30,7 +30,7 @@ __all__ = ["RankError", "gather_full_tensor", "init_model_parallel", "run_on_ran
 _JOIN_GRACE_S = 10.0
 _FORK_HINT = (
     "; killed by a signal: did the parent process create a gloo process group before forking?"
-    " (see the megatron_scalevec.testing.distributed docstring)"
+    " (see the scalevec_testing.distributed docstring)"
 )
 
 

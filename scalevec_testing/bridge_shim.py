@@ -64,7 +64,7 @@ class _InertMeta(type):
 
 def _refuse(self, *args, **kwargs):
     raise StandInUsed(f"{type(self).__qualname__}: a Transformer Engine stand-in "
-                      f"(megatron_scalevec.testing.bridge_shim); this needs the real TE")
+                      f"(scalevec_testing.bridge_shim); this needs the real TE")
 
 
 def _inert(qualname: str) -> type:
@@ -142,6 +142,11 @@ def import_bridge():
     Refuses a Bridge version whose TE importers are not listed. Importing Bridge takes ~20 s
     (it imports every model family); later calls return the imported module.
     """
+    from scalevec_testing import OPT_IN, opted_in  # noqa: PLC0415
+
+    if not opted_in():
+        raise RuntimeError(f"scalevec_testing.bridge_shim answers Bridge's GPU imports in tests "
+                           f"only: set {OPT_IN}=1 to use it (conftest.py does)")
     version = bridge_version()
     if version not in TE_IMPORTERS:
         raise RuntimeError(f"megatron-bridge {version}: bridge_shim knows the Transformer Engine "

@@ -8,7 +8,7 @@ it. :func:`activate`, called inside the TE tests' forked ranks only (never in th
 process), puts that directory on ``sys.path`` and a stand-in extension under ``sys.modules``:
 the pybind enums TE reads at import, with the member names and values of the pinned release's
 ``pybind_helper.h`` / ``pybind.cpp`` / C headers, the few functions of
-:mod:`megatron_scalevec.testing.te_ops`, and a loud NotImplementedError for any other. It
+:mod:`scalevec_testing.te_ops`, and a loud NotImplementedError for any other. It
 skips the shared-library loading (``NVTE_PROJECT_BUILDING=1`` while ``transformer_engine.common``
 imports, and a no-op ``load_framework_extension``), lends stand-ins that raise when used for
 TE's triton-kernel and ONNX-export modules (only while triton / onnxscript are absent), and
@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from scalevec_testing import OPT_IN, opted_in
+
 EXTENSION = "transformer_engine_torch"
 _STUB_FLAG = "__megatron_scalevec_cpu_stand_in__"
 
@@ -50,12 +52,12 @@ def real_extension_installed() -> bool:
 
 
 if real_extension_installed():
-    warnings.warn("megatron_scalevec.testing.te_stub imported where Transformer Engine's compiled "
+    warnings.warn("scalevec_testing.te_stub imported where Transformer Engine's compiled "
                   "extension is installed: the CPU stand-in is for tests on machines without "
                   "CUDA and will refuse to activate here", RuntimeWarning, stacklevel=2)
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def te_python_dir() -> str:
@@ -140,7 +142,7 @@ class _Raising(types.ModuleType):
     stand-in extension (its enums and te_ops' torch functions are set) and TE's triton /
     ONNX modules (:class:`_Unavailable`)."""
 
-    _why = "is not implemented by the CPU stand-in (megatron_scalevec.testing.te_stub)"
+    _why = "is not implemented by the CPU stand-in (scalevec_testing.te_stub)"
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -159,7 +161,7 @@ def make_extension(version: tuple[int, int]) -> types.ModuleType:
         raise RuntimeError(f"te_stub: no enum table for Transformer Engine {version[0]}."
                            f"{version[1]} (have {sorted(ENUM_TABLES)}); read it from that "
                            "release's pybind sources before testing against it")
-    from megatron_scalevec.testing import te_ops  # noqa: PLC0415
+    from scalevec_testing import te_ops  # noqa: PLC0415
 
     mod = _Raising(EXTENSION, "CPU stand-in for Transformer Engine's compiled extension")
     setattr(mod, _STUB_FLAG, True)
@@ -231,8 +233,9 @@ def activate() -> types.ModuleType:
     returns it. Test processes only."""
     if _state:
         return _state["te"]
-    if "pytest" not in sys.modules:
-        raise RuntimeError("megatron_scalevec.testing.te_stub is test-only (pytest not loaded)")
+    if not opted_in():
+        raise RuntimeError(f"scalevec_testing.te_stub stands in for TE's GPU kernels in tests "
+                           f"only: set {OPT_IN}=1 to use it (conftest.py does)")
     if real_extension_installed():
         raise RuntimeError("te_stub.activate(): a real Transformer Engine extension is installed;"
                            " test against it instead of the CPU stand-in")

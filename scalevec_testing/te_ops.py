@@ -21,18 +21,7 @@ import functools
 
 import torch
 
-from megatron_scalevec.testing import te_fp8
-
-_TORCH = {"kFloat32": torch.float32, "kFloat16": torch.float16, "kBFloat16": torch.bfloat16,
-          "kInt32": torch.int32, "kByte": torch.uint8}
-
-
-def _torch_dtype(te_dtype, default):
-    if te_dtype is None:
-        return default
-    if isinstance(te_dtype, torch.dtype):
-        return te_dtype
-    return _TORCH[te_dtype.name]
+from scalevec_testing import te_fp8
 
 
 def _operand(t) -> torch.Tensor:
@@ -100,7 +89,7 @@ def generic_gemm(A, transa, B, transb, out, quantizer, out_dtype, bias, bias_typ
             bias_grad = B.reshape(-1, B.shape[-1]).float().sum(0).to(bias.dtype)
         else:
             d = d + bias.float()
-    dtype = out.dtype if out is not None else _torch_dtype(out_dtype, B.dtype)
+    dtype = out.dtype if out is not None else te_fp8.torch_dtype(out_dtype, B.dtype)
     d = _store(d, out, accumulate, alpha, beta)
     return d.to(dtype) if out is None else d, bias_grad, None, extra_output
 
@@ -130,8 +119,8 @@ def te_general_grouped_gemm(A, transa, B, transb, out, out_dtype, m_splits, bias
 
 def _norm_out(y, ln_out, quantizer, otype, x):
     if quantizer is not None:  # the norm kernel writes FP8 (te_fp8.py), from its fp32 result
-        return te_fp8._quantize(y, quantizer, ln_out, fake_dtype=_torch_dtype(otype, x.dtype))
-    y = y.to(_torch_dtype(otype, x.dtype))
+        return te_fp8.cast(y, quantizer, ln_out, fake_dtype=te_fp8.torch_dtype(otype, x.dtype))
+    y = y.to(te_fp8.torch_dtype(otype, x.dtype))
     if ln_out is not None:
         ln_out.copy_(y.reshape(ln_out.shape))
         return ln_out
