@@ -185,3 +185,20 @@ def test_bad_configurations_fail_clearly(strategy, tp, config_kw, words):
     assert msgs[0] is not None, "expected a clear error"
     for w in words:
         assert w in msgs[0], msgs[0]
+
+
+def test_rope_mscale_without_yarn_is_one_even_with_the_field_present():
+    """A Megatron-Bridge provider has ``yarn_rotary_scaling_factor=None`` (megatron-core's own
+    helper then fails on ``None <= 1``): our RoPE scale reads 1 there, and megatron-core's YaRN
+    factor where one is set."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    from megatron_scalevec.layers.attention import _rope_mscale
+
+    assert _rope_mscale(SimpleNamespace()) == 1.0
+    assert _rope_mscale(SimpleNamespace(yarn_rotary_scaling_factor=None)) == 1.0
+    cfg = SimpleNamespace(yarn_rotary_scaling_factor=4.0, yarn_mscale=None,
+                          yarn_mscale_all_dim=None)
+    assert _rope_mscale(cfg) == yarn._yarn_get_mscale(4.0) > 1.0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
@@ -25,13 +26,17 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fused
 from megatron_scalevec.norms import ScaleVecNorm
 
-try:  # megatron-core's YaRN concentration factor (mscale) of its RoPE
-    from megatron.core.transformer.attention import (
-        _yarn_get_concentration_factor_from_config as _rope_mscale,
-    )
-except ImportError:  # pragma: no cover (older megatron-core: no YaRN scale)
-    def _rope_mscale(config):
+
+def _rope_mscale(config) -> float:
+    """megatron-core's YaRN concentration factor (mscale) of its RoPE; 1 without YaRN. Its own
+    helper tests ``hasattr(config, "yarn_rotary_scaling_factor")``, which a Megatron-Bridge
+    provider (the field present, None) fails (Bridge 0.6.2 patches megatron-core's function at
+    import, too late for a name imported before): read the field first, then ask it. Private
+    ``yarn_rotary_pos_embedding._yarn_get_concentration_factor_from_config``, checked on
+    megatron-core 0.16.1 and 0.19.2."""
+    if getattr(config, "yarn_rotary_scaling_factor", None) is None:
         return 1.0
+    return yarn._yarn_get_concentration_factor_from_config(config)
 
 
 class ScaleVecSelfAttention(SelfAttention):
