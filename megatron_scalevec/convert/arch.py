@@ -18,6 +18,21 @@ from typing import Optional, Union
 ARCH_FILE = "scalevec_arch.json"
 STOCK = "stock"
 ACTIVATIONS = ("silu", "gelu")
+# The architecture fields a megatron-core TransformerConfig (a Bridge provider is one) names as
+# ModelArch does: the one mapping between the two, both ways (from_config, config_kwargs).
+CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "ffn_hidden_size", "normalization", "layernorm_epsilon",
+                 "qk_layernorm", "gated_linear_unit")
+MOE_CONFIG_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                     "moe_shared_expert_intermediate_size", "moe_router_pre_softmax",
+                     "moe_layer_freq")
+
+
+def activation_funcs() -> dict:
+    """``{ModelArch.activation: megatron's activation_func}`` (torch imported only here)."""
+    import torch.nn.functional as F  # noqa: PLC0415 -- arch.py stays importable without torch
+
+    return {"silu": F.silu, "gelu": F.gelu}
 
 
 @dataclass
@@ -77,6 +92,37 @@ class ModelArch:
         from megatron_scalevec.config import ScaleVecConfig
 
         return ScaleVecConfig.from_string(self.scalevec, expert_vectors=self.expert_vectors)
+
+    @classmethod
+    def from_config(cls, config, **model) -> ModelArch:
+        """The arch of a megatron-core TransformerConfig (or Bridge provider); ``model`` gives
+        what a config does not hold (vocab_size, max_sequence_length, rotary_base,
+        tie_embeddings, scalevec, expert_vectors). A dense config keeps the MoE defaults."""
+        act = [k for k, f in activation_funcs().items() if config.activation_func is f]
+        if not act:
+            raise ValueError(f"activation {config.activation_func} has no Hugging Face "
+                             f"equivalent here")
+        fields = {k: getattr(config, k) for k in CONFIG_FIELDS}
+        if config.num_moe_experts:
+            fields.update({k: getattr(config, k) for k in MOE_CONFIG_FIELDS})
+        return cls(activation=act[0], **fields, **model)
+
+    def config_kwargs(self) -> dict:
+        """The TransformerConfig fields this arch fixes (linears without biases; the MoE ones
+        when MoE), which our converter, the Bridge providers and the trainer all build from."""
+        kw = {k: getattr(self, k) for k in CONFIG_FIELDS}
+        kw.update(activation_func=activation_funcs()[self.activation], add_bias_linear=False,
+                  add_qkv_bias=False)
+        if self.is_moe:
+            kw.update({k: getattr(self, k) for k in MOE_CONFIG_FIELDS})
+            kw["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size or self.ffn_hidden_size
+        return kw
+
+    def model_kwargs(self) -> dict:
+        """The GPTModel arguments this arch fixes (besides its config and layer spec)."""
+        return dict(vocab_size=self.vocab_size, max_sequence_length=self.max_sequence_length,
+                    position_embedding_type="rope", rotary_base=int(self.rotary_base),
+                    share_embeddings_and_output_weights=self.tie_embeddings)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)

@@ -32,7 +32,6 @@ import functools
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.bridge import AutoBridge
 from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, MegatronModelBridge
 from megatron.bridge.models.gpt_provider import GPTModelProvider
@@ -52,14 +51,12 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.convert import hf as _hf
 from megatron_scalevec.convert import hf_remote
 from megatron_scalevec.convert.arch import ModelArch
-from megatron_scalevec.convert.build import moe_fields
 from megatron_scalevec.convert.fold import fold_to_stock
 from megatron_scalevec.convert.io import check_names_and_shapes, full_state_dict, load_full_into
 from megatron_scalevec.convert.warmstart import warm_start
 from megatron_scalevec.specs import scalevec_moe_spec
 
 ALLOW_FLAG = "scalevec_allow_function_change"  # provider attribute read when loading
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 # the config fields a loaded model must share with the HF checkpoint's arch (else refused)
 _CHECKED = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
             "ffn_hidden_size", "normalization", "qk_layernorm", "gated_linear_unit",
@@ -85,28 +82,13 @@ def model_strategy(model) -> Optional[ScaleVecConfig]:
 def arch_of(model) -> ModelArch:
     """The :class:`ModelArch` of a scale-vector GPTModel (from its config)."""
     model = _unwrap(model)
-    c, strategy = model.config, model_strategy(model)
-    act = [k for k, f in _ACTIVATIONS.items() if c.activation_func is f]
-    if not act:
-        raise ValueError(f"activation {c.activation_func} has no Hugging Face equivalent here")
-    moe = {}
-    if c.num_moe_experts:
-        moe = dict(num_moe_experts=c.num_moe_experts, moe_router_topk=c.moe_router_topk,
-                   moe_ffn_hidden_size=c.moe_ffn_hidden_size,
-                   moe_shared_expert_intermediate_size=c.moe_shared_expert_intermediate_size,
-                   moe_router_pre_softmax=c.moe_router_pre_softmax,
-                   moe_layer_freq=c.moe_layer_freq)
-    return ModelArch(
-        num_layers=c.num_layers, hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads, num_query_groups=c.num_query_groups,
-        kv_channels=c.kv_channels, ffn_hidden_size=c.ffn_hidden_size,
-        vocab_size=model.vocab_size, max_sequence_length=model.max_sequence_length,
-        normalization=c.normalization, layernorm_epsilon=c.layernorm_epsilon,
-        qk_layernorm=c.qk_layernorm, gated_linear_unit=c.gated_linear_unit, activation=act[0],
+    strategy = model_strategy(model)
+    return ModelArch.from_config(
+        model.config, vocab_size=model.vocab_size, max_sequence_length=model.max_sequence_length,
         rotary_base=float(model.rotary_base),
         tie_embeddings=model.share_embeddings_and_output_weights,
         scalevec=strategy.to_string() if strategy else "stock",
-        expert_vectors=strategy.expert_vectors if strategy else "per_expert", **moe)
+        expert_vectors=strategy.expert_vectors if strategy else "per_expert")
 
 
 def _one_rank_layout(what: str) -> None:
@@ -122,18 +104,9 @@ def _one_rank_layout(what: str) -> None:
 def apply_arch(provider, arch: ModelArch):
     """Set a provider's architecture from our :class:`ModelArch` (our mapping's reading of the
     HF config, e.g. Qwen3-MoE ``norm_topk_prob=False`` -> ``moe_router_pre_softmax``)."""
-    fields = dict(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
-        kv_channels=arch.kv_channels, ffn_hidden_size=arch.ffn_hidden_size,
-        vocab_size=arch.vocab_size, seq_length=arch.max_sequence_length,
-        normalization=arch.normalization, layernorm_epsilon=arch.layernorm_epsilon,
-        qk_layernorm=arch.qk_layernorm, gated_linear_unit=arch.gated_linear_unit,
-        activation_func=_ACTIVATIONS[arch.activation], rotary_base=int(arch.rotary_base),
-        share_embeddings_and_output_weights=arch.tie_embeddings, add_bias_linear=False,
-        add_qkv_bias=False, position_embedding_type="rope", should_pad_vocab=False)
-    if arch.is_moe:
-        fields.update(moe_fields(arch))
+    model = arch.model_kwargs()
+    model["seq_length"] = model.pop("max_sequence_length")  # the provider's name for it
+    fields = dict(arch.config_kwargs(), **model, should_pad_vocab=False)
     for k, v in fields.items():
         setattr(provider, k, v)
     return provider

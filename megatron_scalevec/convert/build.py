@@ -13,29 +13,13 @@ import torch
 from megatron_scalevec.convert.arch import STOCK, ModelArch
 
 
-def moe_fields(arch: ModelArch) -> dict:
-    """The MoE config fields an arch fixes (this module's configs and the Bridge providers')."""
-    return dict(num_moe_experts=arch.num_moe_experts, moe_router_topk=arch.moe_router_topk,
-                moe_ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
-                moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-                moe_router_pre_softmax=arch.moe_router_pre_softmax,
-                moe_layer_freq=arch.moe_layer_freq)
-
-
 def transformer_config(arch: ModelArch, **overrides):
     """megatron-core TransformerConfig at the current parallel layout, fusions off."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    act = {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}
     kw = dict(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
-        ffn_hidden_size=arch.ffn_hidden_size, normalization=arch.normalization,
-        layernorm_epsilon=arch.layernorm_epsilon, qk_layernorm=arch.qk_layernorm,
-        gated_linear_unit=arch.gated_linear_unit, activation_func=act[arch.activation],
-        add_bias_linear=False, add_qkv_bias=False,
+        arch.config_kwargs(),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
@@ -46,7 +30,7 @@ def transformer_config(arch: ModelArch, **overrides):
         transformer_impl="local",
     )
     if arch.is_moe:
-        kw.update(moe_fields(arch), moe_token_dispatcher_type="alltoall",
+        kw.update(moe_token_dispatcher_type="alltoall",
                   moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
                   moe_grouped_gemm=False)
     kw.update(overrides)
@@ -96,10 +80,7 @@ def build_model(arch: ModelArch, scalevec: Optional[str] = None, seed: int = 123
 
         spec = get_scalevec_block_spec(config, arch.replace(scalevec=strategy).strategy())
     return GPTModel(
-        config, spec, vocab_size=arch.vocab_size, max_sequence_length=arch.max_sequence_length,
-        position_embedding_type="rope", rotary_base=int(arch.rotary_base),
-        share_embeddings_and_output_weights=arch.tie_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
+        config, spec, **arch.model_kwargs(), pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage())
 
 

@@ -5,25 +5,43 @@ from __future__ import annotations
 
 import torch
 
+from megatron_scalevec.convert.arch import STOCK, ModelArch
 
-def transformer_config(args, vocab_size):
-    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
 
+def run_arch(args, vocab_size: int) -> ModelArch:
+    """The :class:`ModelArch` of the model :func:`build_model` builds from ``args`` (the one
+    reading of the model flags; the config and the checkpoints' arch file both come from it)."""
     moe = {}
     if args.num_experts:
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                    moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_layer_freq=args.moe_layer_freq,
-                   moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-                   moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-                   moe_router_load_balancing_type="aux_loss",
-                   moe_router_pre_softmax=args.moe_router_pre_softmax,
-                   moe_grouped_gemm=args.moe_grouped_gemm)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
-    return TransformerConfig(
+                   moe_layer_freq=args.moe_layer_freq, expert_vectors=args.expert_vectors,
+                   moe_router_pre_softmax=args.moe_router_pre_softmax)
+    return ModelArch(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+        normalization=args.normalization, qk_layernorm=args.qk_layernorm,
+        layernorm_epsilon=args.norm_epsilon, rotary_base=float(args.rotary_base),
+        tie_embeddings=not args.untie_embeddings_and_output_weights,
+        scalevec=STOCK if args.spec == "baseline" else args.scalevec_config.to_string(), **moe)
+
+
+def transformer_config(args, vocab_size):
+    """The architecture from :func:`run_arch`; the rest (layout, dtype, fusions off, MoE
+    dispatch and aux loss) from the training flags."""
+    from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: PLC0415
+
+    moe = {}
+    if args.num_experts:
+        moe = dict(moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                   moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                   moe_router_load_balancing_type="aux_loss",
+                   moe_grouped_gemm=args.moe_grouped_gemm)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return TransformerConfig(
+        **run_arch(args, vocab_size).config_kwargs(),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -33,10 +51,7 @@ def transformer_config(args, vocab_size):
         batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        sequence_parallel=args.sequence_parallel, normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm, layernorm_epsilon=args.norm_epsilon,
-        init_method_std=args.init_method_std,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        sequence_parallel=args.sequence_parallel, init_method_std=args.init_method_std,
         hidden_dropout=0.0, attention_dropout=0.0, bf16=args.bf16, params_dtype=dtype,
         pipeline_dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
@@ -76,20 +91,17 @@ def build_model(args, config, vocab_size):
 
     from megatron_scalevec.specs import building  # noqa: PLC0415
 
+    arch = run_arch(args, vocab_size).model_kwargs()
     vpp = args.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for i in range(vpp):
         vp_stage = i if vpp > 1 else None
         with building(config, vp_stage):
-            m = GPTModel(config, _layer_spec(args), vocab_size=vocab_size,
-                         max_sequence_length=args.max_position_embeddings,
+            m = GPTModel(config, _layer_spec(args), **arch,
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
                                                                 vp_stage=vp_stage),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False,
                                                                 vp_stage=vp_stage),
-                         share_embeddings_and_output_weights=not
-                         args.untie_embeddings_and_output_weights,
-                         position_embedding_type="rope", rotary_base=int(args.rotary_base),
                          vp_stage=vp_stage)
         if torch.cuda.is_available():
             m.cuda(torch.cuda.current_device())

@@ -23,25 +23,7 @@ import torch
 
 from megatron_scalevec.convert.arch import ARCH_FILE, STOCK, ModelArch
 from megatron_scalevec.convert.io import TOKENIZER_FILE
-
-
-def run_arch(args, vocab_size: int) -> ModelArch:
-    """The :class:`ModelArch` of the model ``trainer.build_model`` builds from ``args``."""
-    moe = {}
-    if args.num_experts:
-        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                   moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-                   moe_layer_freq=args.moe_layer_freq, expert_vectors=args.expert_vectors,
-                   moe_router_pre_softmax=args.moe_router_pre_softmax)
-    return ModelArch(
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
-        normalization=args.normalization, qk_layernorm=args.qk_layernorm,
-        layernorm_epsilon=args.norm_epsilon, rotary_base=float(args.rotary_base),
-        tie_embeddings=not args.untie_embeddings_and_output_weights,
-        scalevec=STOCK if args.spec == "baseline" else args.scalevec_config.to_string(), **moe)
+from megatron_scalevec.training.build import run_arch
 
 
 def checkpoint_files(trainer) -> dict:
