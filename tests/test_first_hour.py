@@ -13,10 +13,9 @@ import sys
 import pytest
 
 from scalevec_testing import run_on_ranks
+from scalevec_testing.trainer_flags import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_trainer import TINY  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 CONVERT = os.path.join(ROOT, "tools", "convert_checkpoint.py")

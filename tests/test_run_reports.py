@@ -5,15 +5,13 @@ every layout, the decay table states the decay each rule applies, and after a re
 import json
 import os
 import shutil
-import sys
 
 import pytest
 
 from scalevec_testing import run_on_ranks
+from scalevec_testing.trainer_flags import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_trainer import TINY  # noqa: E402
 
 MOE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
        "--num-attention-heads", "4", "--seq-length", "16", "--sequence-parallel"]
