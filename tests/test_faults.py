@@ -1,4 +1,4 @@
-"""Faults and bad input (issue 11): divergence stops the run, corrupt or crafted checkpoints are
+"""Faults and bad input: divergence stops the run, corrupt or crafted checkpoints are
 refused with one line, checkpoint writers die with a killed trainer, bad flags and checkpoints
 of another model fail before the model is built."""
 

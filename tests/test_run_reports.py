@@ -1,4 +1,4 @@
-"""What a run reports agrees with itself (issue 40): the parameter counts are the model's at
+"""What a run reports agrees with itself: the parameter counts are the model's at
 every layout, the decay table states the decay each rule applies, and after a resume
 ``metrics.jsonl`` continues from the checkpoint's iteration without the stopped run's rows."""
 
