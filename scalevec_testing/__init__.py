@@ -3,7 +3,12 @@ packages ``megatron_scalevec`` only; tests/test_packaging.py checks the wheel): 
 from the calling process, tiny models, and the CPU stand-ins of Transformer Engine's compiled
 kernels (te_stub, te_ops, te_fp8) and of Megatron-Bridge's GPU imports (bridge_shim), used by
 tests, benchmarks and tools. The stand-ins activate only where :data:`OPT_IN` is set to 1
-(conftest.py sets it for the test suite; the ledger benchmark for its TE rows)."""
+(conftest.py sets it for the test suite; the ledger benchmark for its TE rows).
+
+What several test files share lives here too, because a test file never imports another
+(tests/test_import_cycles.py checks it): ``markers`` (``needs_te``), ``te_compare`` (the TE path
+against the local spec), ``experts`` (the tiny MoE config, layouts and checkpoint rank functions),
+``trainer_flags`` (the tiny trainer command line)."""
 
 import os
 

@@ -1,4 +1,5 @@
-"""Checkpoint conversion (issue 5): warm start, exact fold, Hugging Face, refusals, layouts.
+"""Checkpoint conversion (tools/convert_checkpoint.py): warm start, exact fold, Hugging Face,
+refusals, layouts.
 
 Every case runs in a forked one-rank (or two-rank) gloo child (run_on_ranks), so this file
 never leaves a process group in the pytest parent. Tolerances: fp32 logits of tiny models.
@@ -304,7 +305,7 @@ def test_cli_writes_dist_checkpoint(tmp_path):
     assert refused_rc == 2 and not refused_exists
 
 
-# ---- trainer <-> converter round trip (issue 11 items 7-9) --------------------------------
+# ---- trainer <-> converter round trip: what one writes the other reads ------------------
 
 TRAIN = ["--spec", "scalevec_dense", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",

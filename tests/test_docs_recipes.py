@@ -1,4 +1,4 @@
-"""README.md and docs/usage.md as tests (issue 40): every fenced shell and Python block carries a
+"""README.md and docs/usage.md run as written: every fenced shell and Python block carries a
 marker comment just before its fence, ``<!-- recipe: cpu -->`` (run here, as written, in the
 order of the page) or ``<!-- recipe: skip KIND: reason -->`` (needs a GPU, Transformer Engine,
 Megatron-LM, Megatron-Bridge, or installs packages); an unmarked block fails.

@@ -1,4 +1,4 @@
-"""Faults and bad input (issue 11): divergence stops the run, corrupt or crafted checkpoints are
+"""Faults and bad input: divergence stops the run, corrupt or crafted checkpoints are
 refused with one line, checkpoint writers die with a killed trainer, bad flags and checkpoints
 of another model fail before the model is built."""
 
@@ -18,10 +18,9 @@ import torch
 
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
 from scalevec_testing.distributed import RankError, run_on_ranks
+from scalevec_testing.trainer_flags import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_trainer import TINY  # noqa: E402
 
 # resuming with a longer --train-iters changes the LR schedule: say which applies
 OVR = "--override-opt_param-scheduler"

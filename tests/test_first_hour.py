@@ -1,4 +1,4 @@
-"""A user's first hour (issue 30), through the real commands: every mistake is one line and
+"""A user's first hour, through the real commands: every mistake is one line and
 exit 2 with nothing left behind, a Hugging Face model with transformers' default options warm
 starts, resumes follow Megatron-LM's schedule rule, corrupt converter inputs and missing extras
 name the file or the extra, and the output carries no library noise."""
@@ -13,10 +13,9 @@ import sys
 import pytest
 
 from scalevec_testing import run_on_ranks
+from scalevec_testing.trainer_flags import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_trainer import TINY  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 CONVERT = os.path.join(ROOT, "tools", "convert_checkpoint.py")
@@ -309,7 +308,7 @@ def test_tp2_sp_run_prints_no_library_warnings(tmp_path):
     assert len(head) - len(table) < 20, p.stdout
 
 
-# --- 7. issue 40: refusals that name the real reason ----------------------------------------
+# --- 7. refusals that name the real reason ------------------------------------------------
 @pytest.mark.parametrize("target, flags", [("stock", []),
                                            ("hg+dp+er", ["--allow-function-change"])])
 def test_dnp_checkpoint_conversion_names_why_it_cannot_fold(ck, tmp_path, target, flags):

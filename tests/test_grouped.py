@@ -4,43 +4,30 @@ one process for every strategy and at EP2, expert TP2 and with the alltoall disp
 
 Layout runs reuse test_moe's harness: the sequential model at one process is the reference
 (weights with perturbed vectors saved through dist_checkpointing); the grouped model loads that
-checkpoint at each layout, so checkpoint interchange is exercised by every layout test.
+checkpoint at each layout, so checkpoint interchange is exercised by every layout test. The MoE
+config, layouts and checkpoint rank functions are shared with the TE grouped tests
+(scalevec_testing/experts.py).
 """
-
-import contextlib
-import re
 
 import pytest
 import torch
 
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
+from scalevec_testing.experts import (
+    EXPERT_LAYOUTS,
+    EXPERTS,
+    moe_config,
+    rel_diffs,
+    save_or_load,
+    strategy_config,
+)
 
 REL = 1e-5
-EXPERTS = 4
-
-
-def moe_config(grouped, **overrides):
-    from megatron.core import parallel_state as ps
-
-    kw = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=24,
-              moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
-              moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-              moe_grouped_gemm=grouped,
-              expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-              expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
-    kw.update(overrides)
-    return M.tiny_config(**kw)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) / max(float(a.float().abs().max()), 1e-30)
-
-
-def _strategy(name, expert_vectors="per_expert"):
-    from megatron_scalevec.config import ScaleVecConfig
-
-    return ScaleVecConfig.from_string(name, expert_vectors=expert_vectors)
 
 
 # ---------------------------------------------------------------- one process
@@ -55,7 +42,7 @@ def _one_process(rank, world, cases, dtype_name="float32", shared_ffn=None, **ov
     batch = M.batches(1, 2)[0]
     out = {}
     for strategy, expert_vectors in cases:
-        cfg = _strategy(strategy, expert_vectors)
+        cfg = strategy_config(strategy, expert_vectors)
         results = []
         for grouped in (False, True):
             config = moe_config(grouped, moe_layer_freq=1, params_dtype=dtype,
@@ -116,7 +103,7 @@ def _case(rank, world, grouped, *, tp=1, ep=1, etp=None, sp=False, dispatcher="a
           ref_dir=None, load_dir=None, out_dir=None):
     init_model_parallel(tp=tp, ep=ep, etp=etp)
     config = moe_config(grouped, sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
-    return M.run_case(config, _strategy("unified"), ref_dir=ref_dir, load_dir=load_dir,
+    return M.run_case(config, strategy_config("unified"), ref_dir=ref_dir, load_dir=load_dir,
                       out_dir=out_dir, check=lambda m: _check_experts(m, grouped))
 
 
@@ -128,21 +115,6 @@ def _check_experts(model, grouped):
     assert kinds == {grouped}, kinds
 
 
-def _rel_diffs(rank, world, a_dir, b_dir):
-    a, b = M.plain_tensors(a_dir), M.plain_tensors(b_dir)
-    assert set(a) == set(b), sorted(set(a) ^ set(b))[:10]
-    return M.relative_differences(a, b)
-
-
-LAYOUTS = {
-    "ep1": dict(world=1),
-    "ep2": dict(world=2, ep=2),
-    "ep2_alltoall": dict(world=2, ep=2, dispatcher="alltoall"),
-    "tp2_sp_etp2": dict(world=2, tp=2, sp=True, etp=2),
-    "tp2_sp_etp2_alltoall": dict(world=2, tp=2, sp=True, etp=2, dispatcher="alltoall"),
-}
-
-
 @pytest.fixture(scope="module")
 def sequential_reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("grouped_ref")
@@ -151,16 +123,16 @@ def sequential_reference(tmp_path_factory):
     return ref, grads, losses
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", list(EXPERT_LAYOUTS))
 def test_grouped_matches_sequential_across_layouts(sequential_reference, tmp_path, layout):
     ref, ref_grads, ref_losses = sequential_reference
-    opts = dict(LAYOUTS[layout])
+    opts = dict(EXPERT_LAYOUTS[layout])
     world = opts.pop("world")
     out = str(tmp_path / "grads")
     losses = [r["losses"] for r in run_on_ranks(_case, world, True, load_dir=ref, out_dir=out,
                                                 **opts)]
     assert abs(losses[0][0] - ref_losses[0]) < REL * abs(ref_losses[0]), (losses, ref_losses)
-    diffs = run_on_ranks(_rel_diffs, 1, ref_grads, out)[0]
+    diffs = run_on_ranks(rel_diffs, 1, ref_grads, out)[0]
     worst = max(diffs, key=diffs.get)
     assert any(".experts.experts.linear_fc1.scale_in" in k for k in diffs)
     assert any(".experts.experts.gate_norm" in k for k in diffs)
@@ -168,45 +140,12 @@ def test_grouped_matches_sequential_across_layouts(sequential_reference, tmp_pat
 
 
 # ---------------------------------------------------------------- checkpoint interchange
-KINDS = {"sequential": (False, False), "grouped": (False, True), "te": (True, True)}
-
-
-def _save_or_load(rank, world, kind, expert_vectors="per_expert", *, ep, save_dir=None,
-                  load_dir=None):
-    """Build ``kind`` experts (``te``: TE grouped, tests/test_te_grouped.py) at EP ``ep``; save
-    with distinct experts per EP rank, or load; return the eval loss."""
-    from scalevec_testing import te_stub
-
-    te, grouped = KINDS[kind]
-    if te:
-        te_stub.activate()
-    init_model_parallel(ep=ep)
-    overrides = dict(transformer_impl="transformer_engine") if te else {}
-    with te_stub.cuda_claimed() if te else contextlib.nullcontext():
-        model = M.build_gpt(moe_config(grouped, moe_layer_freq=1, **overrides),
-                            _strategy("unified", expert_vectors))
-        if load_dir is None:
-            M.perturb_vectors(model)
-            with torch.no_grad():
-                for name, p in model.named_parameters():  # distinct experts per EP rank
-                    if re.search(r"experts\.(local_experts|linear_fc|expert_norms)", name):
-                        p.add_(0.01 * (1 + torch.distributed.get_rank()))
-            M.save_model(model, save_dir)
-        else:
-            M.load_model(model, load_dir, te_extra_state=te)
-        model.eval()
-        with torch.no_grad():
-            b = M.batches(1, 2, seed=11)[0]
-            return float(model(b["tokens"], b["position_ids"], None,
-                               labels=b["labels"]).float().mean())
-
-
 @pytest.mark.parametrize("save_grouped", [True, False], ids=["grouped_to_seq", "seq_to_grouped"])
 def test_checkpoint_moves_between_grouped_and_sequential(tmp_path, save_grouped):
     saved = str(tmp_path / "ckpt")
     kinds = ("grouped", "sequential") if save_grouped else ("sequential", "grouped")
-    at_ep2 = run_on_ranks(_save_or_load, 2, kinds[0], ep=2, save_dir=saved)
-    at_ep1 = run_on_ranks(_save_or_load, 1, kinds[1], ep=1, load_dir=saved)[0]
+    at_ep2 = run_on_ranks(save_or_load, 2, kinds[0], ep=2, save_dir=saved)
+    at_ep1 = run_on_ranks(save_or_load, 1, kinds[1], ep=1, load_dir=saved)[0]
     assert at_ep1 == pytest.approx(at_ep2[0], rel=1e-6)
 
 
@@ -216,16 +155,16 @@ def test_grouped_spec_and_guards():
     from megatron_scalevec.specs import moe_spec
 
     assert grouped_mm_available()
-    spec = moe_spec(_strategy("unified"), num_experts=4, grouped_gemm=True)
+    spec = moe_spec(strategy_config("unified"), num_experts=4, grouped_gemm=True)
     assert spec.submodules.experts.module is ScaleVecGroupedMLP
     with pytest.raises(ValueError, match="num_experts"):
-        moe_spec(_strategy("unified"), num_experts=0)
+        moe_spec(strategy_config("unified"), num_experts=0)
 
 
 def _misaligned(rank, world):
     init_model_parallel()
     with pytest.raises(ValueError, match="multiples of 4"):
-        M.build_gpt(moe_config(True, moe_ffn_hidden_size=22), _strategy("unified"))
+        M.build_gpt(moe_config(True, moe_ffn_hidden_size=22), strategy_config("unified"))
     return True
 
 
@@ -237,9 +176,9 @@ def _moe_act(rank, world):
     init_model_parallel()
     with pytest.raises(NotImplementedError, match="do not recompute 'moe_act'"):
         M.build_gpt(moe_config(True, recompute_granularity="selective",
-                               recompute_modules=["moe_act"]), _strategy("unified"))
-    M.build_gpt(moe_config(True, recompute_granularity="selective",
-                           recompute_modules=["moe"]), _strategy("unified"))  # recomputed whole
+                               recompute_modules=["moe_act"]), strategy_config("unified"))
+    M.build_gpt(moe_config(True, recompute_granularity="selective",  # recomputed whole
+                           recompute_modules=["moe"]), strategy_config("unified"))
     return True
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face export of every strategy (issue 11 item 9): DNP strategies (dense and MoE) and
+"""Hugging Face export of every strategy: DNP strategies (dense and MoE) and
 MoE layouts without a stock family through our own trust_remote_code modeling file, the
 tokenizer shipped, normal permissions, and the reported difference measured on the export
 loaded back. Forked one-rank gloo children."""
@@ -101,7 +101,7 @@ def _export_case(rank, world, tmp, strategy, dtype_name, tokenizer, extra, cli=F
         result["generated"] = tok.decode(gen[0, ids.shape[1]:])
         result["new_tokens"] = gen.shape[1] - ids.shape[1]
         result["prompt"] = tok.decode(ids[0])
-        # The README's ways without running our code (issue 30): the tokenizer is a plain one
+        # The README's ways of loading without running our code: the tokenizer is a plain one
         import sentencepiece
         from transformers import PreTrainedTokenizerFast
 

@@ -9,13 +9,13 @@ none of device counts. On CPU places are followed by provenance (``simulate``).
 
 import pytest
 import torch
-from test_grouped import moe_config
-from test_te_grouped import _config as te_config
-from test_te_spec import _start, needs_te
 
 from benchmarks.host_syncs import count_host_syncs, experts_report, stalls
 from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
 from scalevec_testing import models as M
+from scalevec_testing.experts import moe_config, te_moe_config
+from scalevec_testing.markers import needs_te
+from scalevec_testing.te_compare import start_te
 
 DNP = ("unified", "hg+dnp")
 HIDDEN, COUNTS = 32, [10, 0, 17, 13]  # an expert without rows
@@ -55,11 +55,11 @@ def _te(rank, world):
 
     from megatron_scalevec.layers.te import megatron_te_bases
 
-    _start()
+    start_te()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     out = {}
     for name in (None, "shared", *DNP):  # None: megatron-core's TEGroupedMLP
-        config = te_config(True, True, moe_layer_freq=1)
+        config = te_moe_config(True, True, moe_layer_freq=1)
         with te_stub.cuda_claimed():
             if name is None:
                 base = megatron_te_bases()

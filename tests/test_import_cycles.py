@@ -1,9 +1,12 @@
-"""No import cycles in the package, counted with function-local imports (tools/import_cycles.py).
+"""No import cycles in the package, counted with function-local imports (tools/import_cycles.py),
+and no test file imports another test module (helpers that several test files share live in
+scalevec_testing/, markers included: scalevec_testing/markers.py).
 
-The checker itself is tested on a small package with a cycle hidden inside a function, so a
+Each checker is itself tested on a small tree with the import hidden inside a function, so a
 checker that skipped function bodies (or relative imports) would fail here, not pass silently.
 """
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -32,6 +35,75 @@ def test_evidence_tooling_has_no_import_cycle():
     assert found == [], "\n".join(" -> ".join(c) for c in found)
 
 
+# ---------------------------------------------------------------- test files import no test module
+TEST_DIRS = ("tests", "benchmarks/tests", "evidence/tests")
+
+
+def _test_files(root: str) -> list:
+    """Every test_*.py under the suites' directories (pyproject's testpaths), recursively."""
+    found = []
+    for top in TEST_DIRS:
+        for dirpath, _, names in os.walk(os.path.join(root, top)):
+            found += [os.path.join(dirpath, n) for n in names
+                      if n.startswith("test_") and n.endswith(".py")]
+    return sorted(found)
+
+
+def imports_of_test_modules(root: str) -> list:
+    """``file:line imports name`` for each import (anywhere in the file, function bodies
+    included) of a test module -- another test_*.py of the suites, a conftest, or a ``tests``
+    package -- in a test file under ``root``."""
+    files = _test_files(root)
+    test_modules = {os.path.basename(f)[:-3] for f in files} | {"conftest", "tests"}
+    found = []
+    for path in files:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # from tests import test_x, from . import x
+                base = node.module or ""
+                names = [base] + [f"{base}.{a.name}".lstrip(".") for a in node.names]
+            else:
+                continue
+            for name in names:
+                if test_modules.intersection(name.split(".")):
+                    found.append(f"{os.path.relpath(path, root)}:{node.lineno} imports {name}")
+                    break
+    return found
+
+
+def test_no_test_file_imports_another_test_module():
+    found = imports_of_test_modules(ROOT)
+    assert found == [], "move what they share to scalevec_testing/:\n" + "\n".join(found)
+
+
+def test_checker_sees_every_form_of_test_module_import(tmp_path):
+    files = {
+        "tests/test_a.py": "import os\nfrom scalevec_testing import models\n",
+        "tests/sub/test_b.py": "def f():\n    from test_a import X\n",
+        "tests/test_c.py": "class K:\n    def g(self):\n        import tests.test_a\n",
+        "tests/test_d.py": "from . import test_a\n",
+        "tests/test_e.py": "from conftest import needs_te\n",
+        "benchmarks/tests/test_f.py": "from benchmarks.tests.test_g import Y\n",
+        "benchmarks/tests/test_g.py": "from benchmarks import overhead\n",
+        "evidence/tests/test_h.py": "import test_b as helpers\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert imports_of_test_modules(str(tmp_path)) == [
+        "benchmarks/tests/test_f.py:1 imports benchmarks.tests.test_g",
+        "evidence/tests/test_h.py:1 imports test_b",
+        "tests/sub/test_b.py:2 imports test_a",
+        "tests/test_c.py:3 imports tests.test_a",
+        "tests/test_d.py:1 imports test_a",
+        "tests/test_e.py:1 imports conftest",
+    ]
+
+
+# ---------------------------------------------------------------- the cycle checker itself
 def _package(tmp_path, files: dict) -> str:
     root = tmp_path / "pkg"
     for rel, text in files.items():

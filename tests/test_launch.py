@@ -1,4 +1,4 @@
-"""Multi-node launches on one machine (issue 11 item 13): examples/torchrun.sh as two torchrun
+"""Multi-node launches simulated on one machine: examples/torchrun.sh as two torchrun
 agents ("nodes") on loopback, one process each, with a checkpoint saved on one launch and
 resumed on the next; a node killed mid-run ends the other with a clear message; the SLURM
 script's launch command."""

@@ -227,7 +227,8 @@ def test_distributed_optimizer_steps_equal_at_ep1_and_ep2(reference, tmp_path):
     assert not bad, "after 3 steps EP1 vs EP2:\n" + "\n".join(bad)
 
 
-# Layouts of the grad-norm check (issue 10): expert TP differs from TP, EP > 1, shared vectors.
+# Layouts where the grad norm must count each expert and vector once: expert TP differs from
+# TP, EP > 1, shared vectors.
 NORM_LAYOUTS = {
     "tp2_sp_ep2_etp1": dict(world=2, tp=2, sp=True, ep=2, etp=1),
     "tp1_etp2_ep2": dict(world=4, ep=2, etp=2),

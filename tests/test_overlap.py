@@ -13,11 +13,11 @@ parameters after every step must agree bit for bit (float32, same reduction orde
 import contextlib
 
 import pytest
-from test_te_spec import needs_te
 
 from megatron_scalevec import ScaleVecConfig
 from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
 from scalevec_testing import models as M
+from scalevec_testing.markers import needs_te
 
 STEPS = 4
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,

@@ -1,4 +1,4 @@
-"""Plots (issue 11 item 12): titled loss plot marking non-finite steps; gamma plot with axis
+"""Plots of a run's metrics: titled loss plot marking non-finite steps; gamma plot with axis
 labels and legends for every run given, ER runs included, lines grouped when many."""
 
 import json

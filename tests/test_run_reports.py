@@ -1,19 +1,17 @@
-"""What a run reports agrees with itself (issue 40): the parameter counts are the model's at
+"""What a run reports agrees with itself: the parameter counts are the model's at
 every layout, the decay table states the decay each rule applies, and after a resume
 ``metrics.jsonl`` continues from the checkpoint's iteration without the stopped run's rows."""
 
 import json
 import os
 import shutil
-import sys
 
 import pytest
 
 from scalevec_testing import run_on_ranks
+from scalevec_testing.trainer_flags import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_trainer import TINY  # noqa: E402
 
 MOE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
        "--num-attention-heads", "4", "--seq-length", "16", "--sequence-parallel"]

@@ -13,7 +13,6 @@ forward and backward); a calculator that disagrees with the schedule's micro-bat
 refused in one line."""
 
 import contextlib
-import os
 import sys
 
 import pytest
@@ -24,9 +23,9 @@ from megatron.core.transformer.module import Float16Module
 from megatron_scalevec.layers import fold
 from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
 from scalevec_testing import models as M
+from scalevec_testing.markers import needs_te
 
 STEPS, MICRO = 2, 8
-REQUIRE_TE = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
 # Summing 8 micro-batches' gradients in another order changes an fp32 weight gradient by up to
 # 1.3e-4 of its scale (an expert's fc1 here: the per-micro-batch path itself, micro-batches
 # reversed); a wrong map or a map on the wrong micro-batch is off by the vectors' perturbation.
@@ -135,8 +134,7 @@ def test_map_once_per_step_equals_map_per_micro_batch(strategy):
     assert r["folded"] > 0
 
 
-@pytest.mark.skipif(not te_stub.available() and not REQUIRE_TE,
-                    reason="TE's Python not installed (.ci/run puts it in .te_python)")
+@needs_te
 @pytest.mark.parametrize("fusion", [True, False], ids=["fused_wgrad", "unfused"])
 @pytest.mark.parametrize("strategy", ["hg+dp", "unified"])
 def test_te_map_once_per_step(strategy, fusion):
@@ -146,8 +144,7 @@ def test_te_map_once_per_step(strategy, fusion):
     assert r["folded"] > 0
 
 
-@pytest.mark.skipif(not te_stub.available() and not REQUIRE_TE,
-                    reason="TE's Python not installed (.ci/run puts it in .te_python)")
+@needs_te
 @pytest.mark.parametrize("fusion", [True, False], ids=["fused_wgrad", "unfused"])
 def test_te_grouped_experts_map_once_per_step(fusion):
     # every expert's G summed in its own main_grad, all experts mapped on the last micro-batch

@@ -14,10 +14,9 @@ import torch
 
 from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
 from scalevec_testing import models as M
+from scalevec_testing.markers import needs_te
 
-REQUIRED = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
-pytestmark = pytest.mark.skipif(not te_stub.available() and not REQUIRED,
-                                reason="TE's Python not installed (.ci/run puts it in .te_python)")
+pytestmark = needs_te
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

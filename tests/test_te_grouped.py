@@ -11,35 +11,21 @@ import re
 
 import pytest
 import torch
-from test_grouped import LAYOUTS as GROUPED_LAYOUTS
-from test_grouped import _rel_diffs, _save_or_load
-from test_te_spec import _start, compare_with_local, needs_te
 
 from scalevec_testing import init_model_parallel, run_on_ranks, te_ops, te_stub
 from scalevec_testing import models as M
+from scalevec_testing.experts import (
+    EXPERT_LAYOUTS,
+    EXPERTS,
+    rel_diffs,
+    save_or_load,
+    strategy_config,
+    te_moe_config,
+)
+from scalevec_testing.markers import needs_te
+from scalevec_testing.te_compare import compare_with_local, start_te
 
-EXPERTS = 4
 REL = 1e-5
-
-
-def _strategy(name, expert_vectors="per_expert"):
-    from megatron_scalevec.config import ScaleVecConfig
-
-    return ScaleVecConfig.from_string(name, expert_vectors=expert_vectors)
-
-
-def _config(te: bool, grouped: bool, **overrides):
-    from megatron.core import parallel_state as ps
-
-    kw = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=24,
-              moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
-              moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-              moe_grouped_gemm=grouped,
-              expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-              expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-              transformer_impl="transformer_engine" if te else "local")
-    kw.update(overrides)
-    return M.tiny_config(**kw)
 
 
 def _te_experts(model) -> int:
@@ -56,18 +42,18 @@ def _te_experts(model) -> int:
 def _every_strategy(rank, world, cases, tmp, te_overrides=None, **overrides):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    _start()
+    start_te()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     batch = M.batches(1, 2)[0]
     out = {}
     for strategy, expert_vectors in cases:
-        cfg = _strategy(strategy, expert_vectors)
-        local = M.build_gpt(_config(False, False, **overrides), cfg)
+        cfg = strategy_config(strategy, expert_vectors)
+        local = M.build_gpt(te_moe_config(False, False, **overrides), cfg)
         M.perturb_vectors(local)
         where = os.path.join(tmp, f"{strategy}-{expert_vectors}")
         M.save_model(local, where)
         with te_stub.cuda_claimed():
-            model = M.build_gpt(_config(True, True, **{**overrides, **(te_overrides or {})}),
+            model = M.build_gpt(te_moe_config(True, True, **{**overrides, **(te_overrides or {})}),
                                 cfg)
         _te_experts(model)
         M.load_model(model, where, te_extra_state=True)
@@ -125,14 +111,14 @@ def test_te_grouped_layernorm_recompute_and_probs_on_input(tmp_path):
 def _saved_bytes(rank, world):
     from benchmarks.overhead import kept_bytes, saved_activation_bytes
 
-    _start()
+    start_te()
     out = {}
     x, probs = torch.randn(40, 32), torch.rand(40)
     tokens_per_expert = torch.tensor([10, 6, 14, 10])
     for strategy in ("shared", "hg+dp", "unified"):
         with te_stub.cuda_claimed():
-            model = M.build_gpt(_config(True, True, moe_layer_freq=1, moe_ffn_hidden_size=64),
-                                _strategy(strategy))
+            model = M.build_gpt(te_moe_config(True, True, moe_layer_freq=1, moe_ffn_hidden_size=64),
+                                strategy_config(strategy))
             experts = model.decoder.layers[0].mlp.experts
             out[strategy] = saved_activation_bytes(
                 lambda e=experts: e(x, tokens_per_expert, probs))
@@ -163,8 +149,8 @@ def _layout(rank, world, te, strategy, expert_vectors, *, tp=1, ep=1, etp=None, 
     if te:
         te_stub.activate()
     init_model_parallel(tp=tp, ep=ep, etp=etp)
-    config = _config(te, te, sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
-    cfg = _strategy(strategy, expert_vectors)
+    config = te_moe_config(te, te, sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
+    cfg = strategy_config(strategy, expert_vectors)
     if not te:  # the reference: sequential experts, one process
         return M.run_case(config, cfg, ref_dir=ref_dir, out_dir=out_dir)["losses"]
     with te_stub.cuda_claimed():
@@ -177,7 +163,7 @@ def _layout(rank, world, te, strategy, expert_vectors, *, tp=1, ep=1, etp=None, 
     return losses
 
 
-LAYOUTS = {**GROUPED_LAYOUTS, "tp2_sp_ep2_etp1": dict(world=2, tp=2, sp=True, ep=2, etp=1)}
+LAYOUTS = {**EXPERT_LAYOUTS, "tp2_sp_ep2_etp1": dict(world=2, tp=2, sp=True, ep=2, etp=1)}
 RUNS = [("unified", "per_expert", k) for k in LAYOUTS] + \
     [("unified", "shared", k) for k in ("ep2", "tp2_sp_etp2", "tp2_sp_ep2_etp1")]
 
@@ -205,7 +191,7 @@ def test_te_grouped_matches_sequential_across_layouts(references, tmp_path, stra
     losses = run_on_ranks(_layout, world, True, strategy, expert_vectors, load_dir=ref,
                           out_dir=out, **opts)
     assert abs(losses[0][0] - ref_losses[0]) < REL * abs(ref_losses[0]), (losses, ref_losses)
-    diffs = run_on_ranks(_rel_diffs, 1, ref_grads, out)[0]
+    diffs = run_on_ranks(rel_diffs, 1, ref_grads, out)[0]
     worst = max(diffs, key=diffs.get)
     vec = "shared_vectors" if expert_vectors == "shared" else "experts.experts"
     assert any(re.search(rf"{vec}\.(linear_fc1\.)?scale_in", k) for k in diffs), sorted(diffs)
@@ -224,17 +210,17 @@ MOVES = [("te", "sequential", "per_expert"), ("te", "grouped", "per_expert"),
 def test_checkpoint_moves_between_te_grouped_and_other_experts(tmp_path, saved, loaded,
                                                                expert_vectors):
     where = str(tmp_path / "ckpt")
-    at_ep2 = run_on_ranks(_save_or_load, 2, saved, expert_vectors, ep=2, save_dir=where)
-    at_ep1 = run_on_ranks(_save_or_load, 1, loaded, expert_vectors, ep=1, load_dir=where)[0]
+    at_ep2 = run_on_ranks(save_or_load, 2, saved, expert_vectors, ep=2, save_dir=where)
+    at_ep1 = run_on_ranks(save_or_load, 1, loaded, expert_vectors, ep=1, load_dir=where)[0]
     assert at_ep1 == pytest.approx(at_ep2[0], rel=1e-6)
 
 
 # ---------------------------------------------------------------- refusals
 def _refused(rank, world, overrides):
-    _start()
+    start_te()
     try:
         with te_stub.cuda_claimed():
-            M.build_gpt(_config(True, True, **overrides), _strategy("unified"))
+            M.build_gpt(te_moe_config(True, True, **overrides), strategy_config("unified"))
     except (NotImplementedError, ValueError) as err:
         return str(err)
     return None

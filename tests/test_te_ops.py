@@ -5,17 +5,15 @@ without zero-centred gamma, bf16, fused wgrad accumulation into ``main_grad``, g
 uneven (and empty) splits. The stand-in refuses what TE's kernels refuse: mismatched dtypes, a
 wrongly shaped ``out``, arguments TE's binding does not take."""
 
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from scalevec_testing import run_on_ranks, te_ops, te_stub
+from scalevec_testing.markers import needs_te
 
-REQUIRE_TE = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
-pytestmark = pytest.mark.skipif(not te_stub.available() and not REQUIRE_TE,
-                                reason="TE's Python not installed (.ci/run puts it in .te_python)")
+pytestmark = needs_te
 
 
 def _rel(a, b) -> float:

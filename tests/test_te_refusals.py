@@ -5,18 +5,15 @@ TE build that reads its weights without asking our ``_get_weight_tensors()`` (it
 folded module's first forward)."""
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
 from megatron_scalevec.layers import te
-from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
 from scalevec_testing import models as M
-
-REQUIRED = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"  # CI: fail, never skip
-needs_te = pytest.mark.skipif(not te_stub.available() and not REQUIRED,
-                              reason="TE's Python not installed (.ci/run puts it in .te_python)")
+from scalevec_testing import run_on_ranks, te_stub
+from scalevec_testing.markers import needs_te
+from scalevec_testing.te_compare import start_te
 
 
 def _cfg(name, **kw):
@@ -37,14 +34,9 @@ def _te_model(strategy, **kw):
         return M.build_gpt(M.tiny_config(transformer_impl="transformer_engine", **kw), strategy)
 
 
-def _start():
-    te_stub.activate()
-    init_model_parallel()
-
-
 # ---------------------------------------------------------------- refusals
 def _refusal(rank, world, field, strategy, grouped):
-    _start()
+    start_te()
     config = M.tiny_config(transformer_impl="transformer_engine")
     if field:
         object.__setattr__(config, field, True)
@@ -98,7 +90,7 @@ def test_refusals_for_activation_mode_and_te_grouped():
 def _bypassed_fold(rank, world, grouped):
     import types
 
-    _start()
+    start_te()
     model = _te_model("hg+dp", **_moe(4 if grouped else 0, grouped))
     b = M.batches(1, 2)[0]
     with te_stub.cuda_claimed():

@@ -9,20 +9,16 @@ every gradient. Refusals: tests/test_te_refusals.py. FP8: tests/test_te_fp8.py (
 CPU) and tools/te_check.py on a GPU.
 """
 
-import contextlib
 import os
 
 import pytest
 import torch
 
 from megatron_scalevec.layers import te
-from scalevec_testing import init_model_parallel, run_on_ranks, te_stub
 from scalevec_testing import models as M
-
-# CI (.ci/run) installs TE's Python and sets this: there a missing TE fails instead of skipping.
-REQUIRED = os.environ.get("MEGATRON_SCALEVEC_REQUIRE_TE") == "1"
-needs_te = pytest.mark.skipif(not te_stub.available() and not REQUIRED,
-                              reason="TE's Python not installed (.ci/run puts it in .te_python)")
+from scalevec_testing import run_on_ranks, te_stub
+from scalevec_testing.markers import needs_te
+from scalevec_testing.te_compare import compare_with_local, start_te
 
 STRATEGIES = ["shared", "hg", "hg+dp", "hg+or", "hg+er", "hg+dnp", "unified"]
 
@@ -45,14 +41,9 @@ def _te_model(strategy, **kw):
         return M.build_gpt(M.tiny_config(transformer_impl="transformer_engine", **kw), strategy)
 
 
-def _start(tp=1, **kw):
-    te_stub.activate()
-    init_model_parallel(tp=tp, **kw)
-
-
 # ---------------------------------------------------------------- layout and stock keys
 def _layout(rank, world):
-    _start()
+    start_te()
     from megatron.core.extensions import transformer_engine as ext
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.experts import TEGroupedMLP
@@ -99,7 +90,7 @@ def test_without_te_the_error_is_clear():
 
 
 def _stock_vs_shared(rank, world, experts, grouped, tp):
-    _start(tp)
+    start_te(tp)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -139,7 +130,7 @@ def _local_counterpart(name: str, local, e=None):
 def _fold_vs_local(rank, world, strategy, experts, grouped, zero_centered, tp, tmp):
     from megatron.core import dist_checkpointing
 
-    _start(tp)
+    start_te(tp)
     kw = dict(_moe(experts), sequence_parallel=tp > 1,
               layernorm_zero_centered_gamma=zero_centered)
     local = M.build_gpt(M.tiny_config(**kw), strategy)  # sequential experts
@@ -255,23 +246,10 @@ def test_te_fold_and_checkpoint_tp2_sequence_parallel(tmp_path, strategy, expert
 
 
 # ---------------------------------------------------------------- TE's own forward / backward
-def _local_name(name: str) -> str:
-    """A TE model's parameter name -> the local (sequential experts) model's."""
-    import re
-
-    for te_part, local_part in M.TE_FUSED_NORMS.items():
-        name = name.replace(te_part, local_part)
-    name = re.sub(r"experts\.expert_norms\.(\d+)\.", r"experts.local_experts.\1.", name)
-    name = re.sub(r"experts\.linear_fc(\d)\.(weight|bias)(\d+)$",
-                  r"experts.local_experts.\3.linear_fc\1.\2", name)
-    return re.sub(r"experts\.linear_fc1\.scale_vectors\.(\d+)\.",
-                  r"experts.local_experts.\1.linear_fc1.", name)
-
-
 def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp, extra=None):
     from megatron.core import dist_checkpointing
 
-    _start(tp)
+    start_te(tp)
     kw = dict(_moe(experts), sequence_parallel=tp > 1, **(extra or {}))
     local = M.build_gpt(M.tiny_config(**kw), strategy)
     M.perturb_vectors(local)
@@ -286,25 +264,6 @@ def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp, extra=None):
     r = compare_with_local(local, model, M.batches(1, 2)[0])
     return dict(dloss=r["dloss"], loss=r["loss"], same=r["only_one"], calls=dict(te_ops.CALLS),
                 worst=max(r["rel"].values()), worst_name=max(r["rel"], key=r["rel"].get))
-
-
-def compare_with_local(local, model, batch) -> dict:
-    """One forward-backward of the ``local`` model and of the TE ``model`` (TE's own autograd,
-    te_ops' kernels) on ``batch``: the loss difference, the gradients only one has, and each
-    gradient's relative difference (M.relative_differences), by the local names."""
-    out = []
-    for m in (local, model):
-        with te_stub.cuda_claimed() if m is model else contextlib.nullcontext():
-            loss = m(batch["tokens"], batch["position_ids"], None,
-                     labels=batch["labels"]).float().mean()
-            loss.backward()
-        out.append((float(loss), {n: p.grad for n, p in m.named_parameters()
-                                  if p.grad is not None}))
-    (l0, g0), (l1, g1) = out
-    g1 = {_local_name(n): g for n, g in g1.items()}
-    return dict(dloss=abs(l0 - l1), loss=l0, only_one=sorted(set(g0) ^ set(g1)),
-                rel=M.relative_differences({n: g for n, g in g0.items() if n in g1}, g1),
-                names=sorted(g1))
 
 
 RUN_CASES = [("shared", 0, False), ("unified", 0, False), ("hg+dp+er", 4, False),
@@ -402,7 +361,7 @@ def test_stub_warns_and_refuses_where_real_te_is_installed():
 def _kept(rank, world):
     from benchmarks.overhead import kept_bytes, saved_activation_bytes
 
-    _start()
+    start_te()
     batch = M.batches(1, 2)[0]
     out = {}
     for impl in ("transformer_engine", "local"):

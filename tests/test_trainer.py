@@ -12,15 +12,11 @@ import pytest
 
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
 from scalevec_testing.distributed import RankError, run_on_ranks
+from scalevec_testing.trainer_flags import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # resuming with a longer --train-iters changes the LR schedule: say which applies
 OVR = "--override-opt_param-scheduler"
-TINY = ["--mock-data", "--spec", "scalevec_dense", "--num-layers", "2", "--hidden-size", "32",
-        "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
-        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--vocab-size", "64", "--lr", "1e-2", "--min-lr", "1e-3", "--log-interval", "2",
-        "--eval-interval", "0", "--quiet", "--no-plot"]
 
 
 def _main(rank, world, argv):

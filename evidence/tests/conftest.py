@@ -1,5 +1,6 @@
-"""The evidence tooling's tests: the repository root on sys.path and the CPU layer on, as in
-tests/conftest.py (these tests live beside the code they test, outside the package's suite)."""
+"""The evidence tooling's tests: the repository root on sys.path and the CPU layer on, as in the
+repository root's conftest.py (these tests live beside the code they test, outside the package's
+suite)."""
 
 import os
 import sys
