@@ -53,6 +53,20 @@ def moe_config(grouped, **overrides):
     return M.tiny_config(**kw)
 
 
+def build_stock_moe(config):
+    """megatron-core's own local GPT spec with MoE layers where config.moe_layer_freq says."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(7)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                      normalization=config.normalization)
+    return GPTModel(config, spec, vocab_size=M.VOCAB, max_sequence_length=M.SEQ,
+                    position_embedding_type="rope")
+
+
 def te_moe_config(te: bool, grouped: bool, **overrides):
     """:func:`moe_config` on Transformer Engine (``te``) or on the local spec."""
     impl = "transformer_engine" if te else "local"

@@ -1,6 +1,7 @@
 """MoE with scale vectors: parity with megatron-core's MoE layer, layout invariance (EP, ETP,
 TP+SP, PP with mixed dense/MoE layers, distributed optimizer), checkpoint resharding across
-EP, and the parameter-overhead formula.
+EP, per-expert and shared expert vectors (router options and the parameter count:
+tests/test_moe_options.py).
 
 Layout runs reuse the harness of test_layouts: reference weights (vectors perturbed away from 1)
 are saved once at one process, loaded at each layout through dist_checkpointing, and the
@@ -13,37 +14,10 @@ import torch
 
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
+from scalevec_testing.experts import EXPERTS, build_stock_moe, moe_config
 
 LOSS_TOL = 2e-5
 RTOL = 1e-4  # relative to each tensor's own scale (M.relative_mismatches)
-EXPERTS = 4
-
-
-def moe_config(**overrides):
-    """tiny_config + 4 experts, top-2, aux loss; layer 0 MoE, layer 1 dense."""
-    from megatron.core import parallel_state as ps
-
-    kw = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=24,
-              moe_layer_freq=[1, 0], moe_token_dispatcher_type="allgather",
-              moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
-              expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-              expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
-    kw.update(overrides)
-    return M.tiny_config(**kw)
-
-
-def build_stock_moe(config):
-    """megatron-core's own local GPT spec with MoE layers where config.moe_layer_freq says."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.manual_seed(7)
-    model_parallel_cuda_manual_seed(7)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                      normalization=config.normalization)
-    return GPTModel(config, spec, vocab_size=M.VOCAB, max_sequence_length=M.SEQ,
-                    position_embedding_type="rope")
 
 
 def _loss_and_grads(model, batch):
@@ -61,7 +35,7 @@ def _parity(rank, world, strategies, shared_ffn):
 
     init_model_parallel()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
-    config = moe_config(moe_shared_expert_intermediate_size=shared_ffn, moe_layer_freq=1)
+    config = moe_config(False, moe_shared_expert_intermediate_size=shared_ffn, moe_layer_freq=1)
     stock = build_stock_moe(config)
     sd = {k: v for k, v in stock.state_dict().items() if "_extra_state" not in k}
     batch = M.batches(1, 2)[0]
@@ -107,7 +81,7 @@ def _case(rank, world, strategy, *, tp=1, pp=1, ep=1, etp=None, sp=False, dispat
     from megatron_scalevec.config import ScaleVecConfig
 
     init_model_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
-    config = moe_config(sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
+    config = moe_config(False, sequence_parallel=sp, moe_token_dispatcher_type=dispatcher)
     strategy = ScaleVecConfig.from_string(strategy, expert_vectors=expert_vectors,
                                           **({"apply_mode": apply_mode} if apply_mode else {}))
     check = _check_shared_expert_vectors if expert_vectors == "shared" else \
@@ -261,7 +235,7 @@ def _reshard(rank, world, *, ep, save_dir=None, load_dir=None, strategy="unified
     from megatron.core import parallel_state as ps
 
     init_model_parallel(ep=ep)
-    config = moe_config(moe_layer_freq=1)
+    config = moe_config(False, moe_layer_freq=1)
     model = M.build_gpt(config, strategy)
     local = {}
     if load_dir is None:
@@ -305,111 +279,6 @@ def test_checkpoint_ep2_loads_at_ep1_with_identical_outputs(tmp_path):
             if name.startswith("decoder.layers.0."):
                 e = ep_rank * (EXPERTS // 2) + int(name.split("local_experts.")[1].split(".")[0])
                 assert (plain[0, e] == value).all(), (name, e)
-
-
-# ---------------------------------------------------------------- options and guards
-def _balancing(rank, world):
-    """Aux-loss-free balancing: the expert-bias update equals megatron-core's at init."""
-    init_model_parallel()
-    config = moe_config(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
-                        moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
-                        moe_router_bias_update_rate=0.1, moe_layer_freq=1)
-    stock = build_stock_moe(config)
-    ours = M.build_gpt(config, "hg+or")
-    ours.load_state_dict(stock.state_dict(), strict=False)
-    biases = []
-    for model in (stock, ours):
-        ddp = M.wrap_ddp(model, config)
-        M.train_steps(ddp, config, M.batches(2, 2), 1)
-        biases.append(model.decoder.layers[0].mlp.router.expert_bias.numpy().copy())
-    return biases
-
-
-def test_router_expert_bias_unchanged_by_gamma_r():
-    stock_bias, our_bias = run_on_ranks(_balancing, 1)[0]
-    assert abs(stock_bias).sum() > 0  # the update happened
-    assert (stock_bias == our_bias).all()
-
-
-def _router_logits(rank, world):
-    """bf16 parameters, moe_router_dtype=fp32: the gating logits of W_r diag(gamma_r)."""
-    from megatron_scalevec.config import ScaleVecConfig
-    from megatron_scalevec.layers.moe import ScaleVecTopKRouter
-
-    init_model_parallel()
-    config = moe_config(params_dtype=torch.bfloat16, bf16=True, moe_router_dtype="fp32")
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    router = ScaleVecTopKRouter(config, ProcessGroupCollection.use_mpu_process_groups(),
-                                scalevec=ScaleVecConfig.from_string("hg"))
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
-        router.scale_in.weight.copy_(1 + 0.3 * torch.randn(32, generator=g))
-    x = torch.randn(6, 32, generator=g).to(torch.bfloat16)
-    logits = router.gating(x)
-    exact = x.float() @ (router.weight.float() * router.scale_in.weight.float()).t()
-    return logits.dtype, float((logits - exact).abs().max()), float(exact.abs().max())
-
-
-def test_router_vector_folded_in_router_dtype():
-    """W_r * gamma_r is formed in fp32 (the router dtype), not rounded to bf16 first (that
-    adds ~4e-3 relative error stock routing does not have)."""
-    dtype, diff, scale = run_on_ranks(_router_logits, 1)[0]
-    assert dtype == torch.float32
-    assert diff <= 1e-6 * scale, (diff, scale)
-
-
-def test_grouped_gemm_spec():
-    """grouped_gemm=True builds our grouped experts (tests/test_grouped.py checks them)."""
-    from megatron_scalevec.config import ScaleVecConfig
-    from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP
-    from megatron_scalevec.specs import moe_spec
-
-    cfg = ScaleVecConfig.from_string("unified")
-    assert moe_spec(cfg, num_experts=4, grouped_gemm=True).submodules.experts.module \
-        is ScaleVecGroupedMLP
-    with pytest.raises(ValueError, match="num_experts"):
-        moe_spec(cfg, num_experts=0)
-
-
-# ---------------------------------------------------------------- parameter count
-COUNT_SHAPE = dict(num_layers=2, hidden=32, heads=4, query_groups=2, head_dim=8, ffn=64,
-                   num_experts=EXPERTS, moe_ffn=24, shared_ffn=40, moe_layers=[1, 0])
-
-
-def _count(rank, world, strategies):
-    init_model_parallel()
-    config = moe_config(moe_shared_expert_intermediate_size=40)
-    stock = sum(p.numel() for p in build_stock_moe(config).parameters())
-    return stock, {s: sum(p.numel() for p in M.build_gpt(config, s).parameters()) - stock
-                   for s in strategies}
-
-
-STRATS = ["unified", "hg", "hg+dp+er", "shared+or", "none"]
-
-
-def test_parameter_count_formula_and_reference_overhead():
-    from megatron_scalevec.config import ScaleVecConfig
-    from megatron_scalevec.layers.moe import moe_model_parameters, moe_new_parameters
-
-    stock, new = run_on_ranks(_count, 1, STRATS)[0]
-    tiny = moe_model_parameters(vocab=M.VOCAB, **COUNT_SHAPE)["total"]
-    assert tiny == stock
-    for s in STRATS:
-        assert moe_new_parameters(ScaleVecConfig.from_string(s), **COUNT_SHAPE)["total"] == new[s]
-    # Reference: a paper-like fine-grained MoE with ~2B total parameters (all layers MoE).
-    ref = dict(num_layers=24, hidden=1024, heads=16, query_groups=4, head_dim=64, ffn=4096,
-               num_experts=64, moe_ffn=384, shared_ffn=0)
-    total = moe_model_parameters(vocab=128256, **ref)["total"]
-    parts = moe_new_parameters(ScaleVecConfig.from_string("unified"), **ref)
-    ratio = parts["total"] / total
-    print(f"\nreference MoE: {total / 1e9:.3f}B params, unified adds {parts['total']:,} "
-          f"({ratio:.3e} of the model): {parts}")
-    assert 1.5e9 < total < 2.5e9
-    # per expert 2(h + f) + 4 new over 3hf: the ratio is about 2/(3f) + 2/(3h)
-    bound = 2 / (3 * ref["moe_ffn"]) + 2 / (3 * ref["hidden"])
-    assert ratio < bound, (ratio, bound)
 
 
 # ---------------------------------------------------------------- expert_vectors="shared"
@@ -501,22 +370,3 @@ def test_shared_expert_vectors_checkpoint_ep2_loads_at_ep1(tmp_path):
 
 def _keys(rank, world, directory):
     return sorted(M.plain_tensors(directory))
-
-
-def test_shared_expert_vectors_parameter_count_and_reference_overhead():
-    from megatron_scalevec.layers.moe import moe_model_parameters, moe_new_parameters
-
-    strategies = [_shared(s) for s in ("unified", "hg+dp+er", "hg")]
-    _, new = run_on_ranks(_count, 1, strategies)[0]
-    for cfg in strategies:
-        assert moe_new_parameters(cfg, **COUNT_SHAPE)["total"] == new[cfg], cfg
-    ref = dict(num_layers=24, hidden=1024, heads=16, query_groups=4, head_dim=64, ffn=4096,
-               num_experts=64, moe_ffn=384, shared_ffn=0)
-    total = moe_model_parameters(vocab=128256, **ref)["total"]
-    per_expert = moe_new_parameters(_shared("unified").replace(expert_vectors="per_expert"),
-                                    **ref)["total"]
-    parts = moe_new_parameters(_shared("unified"), **ref)
-    ratio = parts["total"] / total
-    print(f"\nreference MoE: {total / 1e9:.3f}B params; unified adds {per_expert:,} per expert "
-          f"({per_expert / total:.3e}), {parts['total']:,} shared ({ratio:.3e}): {parts}")
-    assert ratio < 1e-4 < per_expert / total
