@@ -3,6 +3,8 @@
 import os
 import sys
 
+import pytest
+
 _ROOT = os.path.dirname(os.path.abspath(__file__))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -25,3 +27,18 @@ hide_unusable_te()
 from megatron_scalevec.compat.cpu import enable_cpu_compat  # noqa: E402
 
 enable_cpu_compat()
+
+# Each test's time budget (its call, setup and teardown apart): a test slower than this fails
+# with its time, so one slow test cannot quietly push a CI leg past its 35 minutes. The suite
+# prints its slowest tests at the end (pyproject.toml: --durations).
+TEST_BUDGET_S = float(os.environ.get("MEGATRON_SCALEVEC_TEST_BUDGET_S", "300"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call" and report.passed and report.duration > TEST_BUDGET_S:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} took {report.duration:.0f} s, over the per-test "
+                           f"budget of {TEST_BUDGET_S:.0f} s (MEGATRON_SCALEVEC_TEST_BUDGET_S)")
+    return report
