@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from benchmarks.heap import keep_freed_memory
-from megatron_scalevec.layers import fused, glu
+from megatron_scalevec.layers import compile, fused, glu
 
 
 def _glu_cases(label, rows, width, experts):
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    fused.set_compile(args.compile)
+    compile.set_mode(args.compile)
     keep_freed_memory()  # as tools/bench_overhead.py: no page faults from glibc's trimming
     # the benchmark's model: seq 256 x micro-batch 4 tokens, ffn 704 (experts: top-2 of 4,
     # width 352), 8 heads of 32 in 4 groups

@@ -184,29 +184,28 @@ def _collectives(rank, world, layout, moe, args, tp, sp, ep) -> dict:
 
 @contextlib.contextmanager
 def _fused_as_one_op():
-    """Our fused kernel bodies (layers/fused.py ``_kernel``: compiled on a GPU, eager under a
+    """Our fused kernel bodies (layers/compile.py ``kernel``: compiled on a GPU, eager under a
     dispatch mode) each counted as one kernel by Traffic; a no-op if the layers have none."""
     import importlib
 
-    fused = importlib.import_module("megatron_scalevec.layers.fused")
-    original = getattr(fused, "_kernel", None)
+    try:
+        compile = importlib.import_module("megatron_scalevec.layers.compile")
+    except ImportError:
+        compile = None
+    original = getattr(compile, "kernel", None)
     if original is None:
         yield False
         return
-    mods = [m for n, m in list(sys.modules.items()) if n.startswith("megatron_scalevec.layers")
-            and getattr(m, "_kernel", None) is original]
 
     def kernel(fn, *args, **kwargs):
         return Traffic.one_op(fn, fn.__name__) if Traffic.active else original(fn, *args,
                                                                               **kwargs)
 
-    for m in mods:
-        m._kernel = kernel
+    compile.kernel = kernel
     try:
         yield True
     finally:
-        for m in mods:
-            m._kernel = original
+        compile.kernel = original
 
 
 # ----------------------------------------------------------------- the tables
@@ -309,7 +308,7 @@ def report(args, layout: str, moe: bool, res: dict) -> str:
             cells += [f"{peaks[v] / 2**20:.0f}"] + [f"{peaks[v] / peaks[x]:.3f}" for x in refs]
         lines.append("| " + " | ".join(cells) + " |")
     if not all(r["fused_one_op"] for r in rows.values()):
-        lines.append("- no fused kernel bodies found (layers/fused.py _kernel): +fused = +traffic")
+        lines.append("- no fused kernel bodies found (layers/compile.py kernel): +fused = +traffic")
     lines += _footnotes(coll, rows, layers) + _top_ops(rows, base, m, folded)
     return "\n".join(lines)
 

@@ -194,7 +194,7 @@ def run(args) -> list:
 
 
 def _run(args) -> list:
-    from megatron_scalevec.layers import fused
+    from megatron_scalevec.layers import compile
     from scalevec_testing import models as M
 
     cuda = args.device == "cuda"
@@ -206,15 +206,15 @@ def _run(args) -> list:
     builds += null_builds(builds, args.baseline) if args.null else []
     rows = [build_row(name, cfg, args, data) for name, cfg in
             _build_order(builds, args.instances)]
-    saved_mode = fused.compile_mode()
+    saved_mode = compile.mode()
     for _ in range(args.warmup):
         for r in rows:
-            fused.set_compile(r["compile"])
+            compile.set_mode(r["compile"])
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
     for i in range(args.repeats):
         # Each round starts one variant later: none always runs right after the same one.
         for r in rows[i % len(rows):] + rows[:i % len(rows)]:
-            fused.set_compile(r["compile"])
+            compile.set_mode(r["compile"])
             _sync(cuda)
             f0, t0 = minor_faults(), time.perf_counter()
             M.train_steps(r["ddp"], r["config"], data, 1, r["opt"])
@@ -225,7 +225,7 @@ def _run(args) -> list:
         for r in rows:
             _device_ledger(r, data)
     rows = _merge_instances(rows)
-    fused.set_compile(saved_mode)
+    compile.set_mode(saved_mode)
     return rows
 
 

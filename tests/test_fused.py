@@ -1,6 +1,6 @@
-"""Lean fused DNP and the recomputing fold (layers/fused.py, layers/linear.py): equal to the
-autograd composites they replace (output and every gradient), and keeping no full-size tensor
-the stock layer does not keep."""
+"""Lean fused DNP and the recomputing fold (layers/fused.py, layers/glu.py, layers/linear.py):
+equal to the autograd composites they replace (scalevec_testing/reference.py; output and every
+gradient), and keeping no full-size tensor the stock layer does not keep."""
 
 import contextlib
 
@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from benchmarks.overhead import saved_activation_bytes
-from megatron_scalevec.layers import fused, glu
+from megatron_scalevec.layers import compile, fused, glu
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
+from scalevec_testing.reference import reference
 
 TOL = 1e-5
 
@@ -24,7 +25,7 @@ def _rel(a, b):
 def _both(fn, inputs, dy):
     """(output, grads) of fn through the fused path and through the reference."""
     res = []
-    for ctx in (contextlib.nullcontext(), fused.reference()):
+    for ctx in (contextlib.nullcontext(), reference()):
         with ctx:
             y = fn()
         res.append((y, *torch.autograd.grad(y, inputs, dy)))
@@ -48,9 +49,9 @@ def test_head_norm_rope_matches_reference(normalization, interleaved, rot):
         freqs = _freqs(5, rot, interleaved)
         rope = fused.rope_cos_sin(freqs, 1.3, x.dtype)
         # the reference is megatron-core's own unfused RoPE (mscale included)
-        with fused.reference():
+        with reference():
             ours = fused.head_norm(x, a, 1e-5, normalization, rope, interleaved)
-        with fused.reference():
+        with reference():
             plain = fused.head_norm(x, a, 1e-5, normalization)
         theirs = _apply_rotary_pos_emb_bshd(plain, freqs, rotary_interleaved=interleaved,
                                             mscale=1.3)
@@ -84,7 +85,7 @@ def test_qkv_norm_matches_three_head_norms(normalization, qpg, rot, same):
 
     dys = (torch.randn(5, 2, groups * qpg, hd), torch.randn(5, 2, groups, hd),
            torch.randn(5, 2, groups, hd))
-    with fused.reference():
+    with reference():
         ref = split_then_norm()
     got = fused.qkv_norm(mixed, vecs, 1e-5, normalization, qpg, rope_q, rope_k)
     for g, r in zip(got, ref):
@@ -191,7 +192,7 @@ def _model_grads(rank, world, strategy, tp, sp, overrides):
     M.perturb_vectors(model)
     b = M.batches(1, 2)[0]
     out = {}
-    for name, ctx in (("fused", contextlib.nullcontext()), ("ref", fused.reference())):
+    for name, ctx in (("fused", contextlib.nullcontext()), ("ref", reference())):
         model.zero_grad()
         with ctx:
             loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"]).mean()
@@ -239,7 +240,7 @@ def _saved(rank, world, strategies):
         model = M.build_gpt(config, None if s == "stock" else s)
         res[s] = saved_activation_bytes(
             lambda m=model: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
-        with fused.reference():
+        with reference():
             res[s + "@ref"] = saved_activation_bytes(
                 lambda m=model: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
     return res
@@ -266,11 +267,11 @@ def test_kernel_benchmark_prints_every_kernel_and_ratio(capsys):
     spec = iu.spec_from_file_location("bench_kernels", path)
     tool = iu.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    saved = fused.compile_mode()
+    saved = compile.mode()
     try:
         tool.main(["--rounds", "2", "--calls", "1", "--compile", "off"])
     finally:
-        fused.set_compile(saved)
+        compile.set_mode(saved)
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()
             if line.startswith("| ") and "median" not in line]
     names = [r[0].strip() for r in rows]
@@ -291,3 +292,28 @@ def test_glu_norm_keeps_widths_static_for_compile():
     dh = torch.randn(6, 12)
     h.backward(dh)
     assert getattr(dh, "_dynamo_static_indices", set()) == {1}
+
+
+def test_reference_swaps_the_package_entry_points_and_restores_them():
+    """reference() replaces what the package's call sites read (fused.head_norm,
+    fused.qkv_norm, glu.glu_norm, the local linear's weight-mode GEMM) and puts the originals
+    back; no module binds the fused functions under its own name (reference() would miss it)."""
+    import sys  # noqa: PLC0415
+
+    import megatron_scalevec.layers.grouped  # noqa: F401, PLC0415
+    import megatron_scalevec.layers.te_grouped  # noqa: F401, PLC0415
+    from megatron_scalevec.layers import linear  # noqa: PLC0415
+    from scalevec_testing import reference as R  # noqa: PLC0415
+
+    points = [(fused, "head_norm", R.head_norm), (fused, "qkv_norm", R.qkv_norm),
+              (glu, "glu_norm", R.glu_norm),
+              (linear.ScaleVecColumnParallelLinear, "_forward_impl", R.linear_forward_impl)]
+    originals = [vars(owner)[name] for owner, name, _ in points]
+    with reference():
+        assert [vars(owner)[name] for owner, name, _ in points] == [r for *_, r in points]
+    assert [vars(owner)[name] for owner, name, _ in points] == originals
+    fused_functions = {id(f) for f in originals[:3]}
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("megatron_scalevec.") and mod not in (fused, glu):
+            bound = [k for k, v in vars(mod).items() if id(v) in fused_functions]
+            assert not bound, (mod_name, bound)

@@ -1,5 +1,6 @@
 """The compiled fused DNP kernels (what the trainer and the benchmark run by default) equal the
-reference, and ``auto`` falls back to eager, once and with one warning, where compiling fails."""
+reference (scalevec_testing/reference.py), and ``auto`` falls back to eager, once and with one
+warning, where compiling fails (layers/compile.py)."""
 
 import contextlib
 import warnings
@@ -8,17 +9,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_scalevec.layers import fused, glu
+from megatron_scalevec.layers import compile, fused, glu
+from scalevec_testing.reference import reference
 
 
 @contextlib.contextmanager
 def _mode(mode):
-    saved = fused.compile_mode()
-    fused.set_compile(mode)
+    saved = compile.mode()
+    compile.set_mode(mode)
     try:
         yield
     finally:
-        fused.set_compile(saved)
+        compile.set_mode(saved)
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The (body, dynamic) pairs handed to torch.compile during the test, from a fresh cache
+    (layers/compile.py compiles each pair once)."""
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        seen.append((fn, kw.get("dynamic")))
+        return real(fn, **kw)
+
+    compile.compiled.cache_clear()
+    monkeypatch.setattr(torch, "compile", spy)
+    yield seen
+    compile.compiled.cache_clear()
 
 
 def _rel(a, b):
@@ -38,7 +57,7 @@ def _head_and_glu(x, a, rope, z, a_g, a_u):
     return torch.cat([h.flatten(), g.flatten(), *(t.flatten() for t in qkv)])
 
 
-def test_compiled_kernels_match_reference():
+def test_compiled_kernels_match_reference(compiles):
     torch.manual_seed(3)
     x = torch.randn(6, 2, 4, 16, requires_grad=True)  # 4 heads
     a = (1 + 0.3 * torch.randn(16)).requires_grad_()
@@ -49,17 +68,16 @@ def test_compiled_kernels_match_reference():
     a_u = (1 + 0.3 * torch.randn(12)).requires_grad_()
     inputs = (x, a, z, a_g, a_u)
     dy = torch.randn(2 * 6 * 2 * 4 * 16 + 6 * 2 * 12)
-    fused._COMPILED.clear()
     with _mode("on"):
         got = _grads(lambda: _head_and_glu(x, a, rope, z, a_g, a_u), inputs, dy)
-    assert fused._COMPILED, "nothing was compiled"
-    with fused.reference():
+    assert compiles, "nothing was compiled"
+    with reference():
         ref = _grads(lambda: _head_and_glu(x, a, rope, z, a_g, a_u), inputs, dy)
     for name, g, r in zip(("out", "dx", "da", "dz", "da_g", "da_u"), got, ref):
         assert _rel(g, r) < 1e-5, (name, _rel(g, r))
 
 
-def test_kernels_compile_without_graph_breaks():
+def test_kernels_compile_without_graph_breaks(compiles):
     """Each kernel is one graph under the CPU layer's torch-function mode too (the benchmark
     runs there): a break splits a kernel into several graphs with eager code between them
     (Tensor.unflatten did, once)."""
@@ -73,7 +91,6 @@ def test_kernels_compile_without_graph_breaks():
     a_g, a_u = torch.ones(12, requires_grad=True), torch.ones(12, requires_grad=True)
     torch._dynamo.reset()
     counters.clear()
-    fused._COMPILED.clear()
     with _mode("on"):
         for interleaved in (False, True):
             rope = fused.rope_cos_sin(torch.cat([f, f], -1), 1.0, x.dtype)
@@ -82,15 +99,14 @@ def test_kernels_compile_without_graph_breaks():
             qkv = fused.qkv_norm(mixed, (a, a, a), 1e-5, "LayerNorm", 2, rope, rope, interleaved)
             g = glu.glu_norm(z, a_g, a_u, F.silu, gated=True, normalization="RMSNorm", eps=1e-5)
             torch.autograd.backward([h.sum(), *(t.sum() for t in qkv), g.sum()])
-    assert len(fused._COMPILED) >= 5
+    assert len(compiles) >= 5
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_compiled_per_expert_glu_matches_reference():
+def test_compiled_per_expert_glu_matches_reference(compiles):
     """The grouped experts' GLU norm (vectors gathered by expert id inside the kernel, block
     sums of the vector gradients) at two row counts: the second compiles with dynamic rows,
     as grouped experts see a different count each micro-batch."""
-    fused._COMPILED.clear()
     for seed, counts in enumerate(([20, 0, 13, 31, 7], [9, 30, 2, 0, 40])):
         torch.manual_seed(5 + seed)
         rows, n = glu.expert_rows(counts), sum(counts)
@@ -105,14 +121,14 @@ def test_compiled_per_expert_glu_matches_reference():
 
         with _mode("on"):
             got = _grads(run, (z, a_g, a_u), dy)
-        assert fused._COMPILED, "nothing was compiled"
-        with fused.reference():
+        assert compiles, "nothing was compiled"
+        with reference():
             ref = _grads(run, (z, a_g, a_u), dy)
         for name, g, r in zip(("out", "dz", "da_g", "da_u"), got, ref):
             assert _rel(g, r) < 1e-5, (counts, name, _rel(g, r))
 
 
-def test_auto_falls_back_to_eager_once(monkeypatch):
+def test_auto_falls_back_to_eager_once(monkeypatch, compiles):
     from torch._dynamo.exc import BackendCompilerFailed  # noqa: PLC0415
 
     calls = []
@@ -124,8 +140,7 @@ def test_auto_falls_back_to_eager_once(monkeypatch):
         return run
 
     monkeypatch.setattr(torch, "compile", broken)
-    monkeypatch.setattr(fused, "_COMPILED", {})
-    monkeypatch.setitem(fused._STATE, "broken", False)
+    monkeypatch.setattr(compile, "_eager", False)
     x = torch.randn(3, 2, 8, requires_grad=True)
     a = torch.ones(8, requires_grad=True)
     with _mode("on"), pytest.raises(BackendCompilerFailed):
@@ -134,7 +149,7 @@ def test_auto_falls_back_to_eager_once(monkeypatch):
         warnings.simplefilter("always")
         y = fused.head_norm(x, a, 1e-5, "RMSNorm")
         y2 = fused.head_norm(x, a, 1e-5, "RMSNorm")
-    with fused.reference():
+    with reference():
         ref = fused.head_norm(x, a, 1e-5, "RMSNorm")
     assert _rel(y, ref) < 1e-6 and _rel(y2, ref) < 1e-6
     assert sum("running them eagerly" in str(w.message) for w in seen) == 1
@@ -143,13 +158,13 @@ def test_auto_falls_back_to_eager_once(monkeypatch):
 
 def test_bad_mode_is_one_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="auto, on or off"):
-        fused.set_compile("yes")
-    monkeypatch.setitem(fused._STATE, "compile", "fast")  # as from the environment
+        compile.set_mode("yes")
+    monkeypatch.setattr(compile, "_mode", "fast")  # as from the environment
     with pytest.raises(ValueError, match="MEGATRON_SCALEVEC_FUSED_COMPILE"):
         fused.head_norm(torch.randn(2, 4), None, 1e-5, "RMSNorm")
 
 
-def test_compiled_fold_maps_match_eager():
+def test_compiled_fold_maps_match_eager(compiles):
     """The weight folds' maps back (a linear's, the grouped experts' batched one), compiled
     with static shapes, equal their eager bodies at two layouts each
     (a model has a few weight shapes), in one graph each."""
@@ -159,7 +174,6 @@ def test_compiled_fold_maps_match_eager():
 
     torch._dynamo.reset()
     counters.clear()
-    fused._COMPILED.clear()
     for seed, (experts, rows, width) in enumerate(((3, 24, 16), (2, 8, 32))):
         torch.manual_seed(seed)
         ws = tuple(torch.randn(2 * rows, width) for _ in range(experts))
@@ -181,23 +195,21 @@ def test_compiled_fold_maps_match_eager():
             for a, b in zip(got, ref):
                 for x, y in zip(*((t,) if torch.is_tensor(t) else t for t in (a, b))):
                     assert _rel(x, y) < 1e-5, (seed, _rel(x, y))
-    assert len(fused._COMPILED) == 1, list(fused._COMPILED)
+    assert len(compiles) == 1, compiles
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_glu_kernels_run_eager_below_two_rows():
     """A sequential expert's GLU meets 0 or 1 rows often; dynamo specializes those sizes, so
     compiling them recompiled per call until dynamo's limit (a TP2+SP MoE run printed it)."""
-    from megatron_scalevec.layers import glu  # noqa: PLC0415
-
     with _mode("on"):
         for rows in (0, 1):
-            assert glu._rows_kernel(glu._glu_fwd, torch.zeros(rows, 8)) is glu._glu_fwd
-        assert glu._rows_kernel(glu._glu_fwd, torch.zeros(2, 8)) is not glu._glu_fwd
+            assert compile.rows_kernel(glu._glu_fwd, torch.zeros(rows, 8)) is glu._glu_fwd
+        assert compile.rows_kernel(glu._glu_fwd, torch.zeros(2, 8)) is not glu._glu_fwd
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
-def test_step_map_in_place_matches_plain_torch(mode):
+def test_step_map_in_place_matches_plain_torch(mode, compiles):
     # fold.map_in_place on a view into a flat buffer (DDP's main_grad), eager and compiled,
     # against the map written out: dW = G * a[r] * gamma[in], d a = sum G*W*gamma, d gamma =
     # sum G*W*a, over the groups (layout: 2 groups, 2 slots, 3 rows)
@@ -214,7 +226,7 @@ def test_step_map_in_place_matches_plain_torch(mode):
     with _mode(mode):
         d_row, d_col = fold.map_in_place(main_grad, w, row, col, (groups, slots, rows),
                                          (True, True))
-    assert mode == "off" or (fold._map, False) in fused._COMPILED
+    assert mode == "off" or (fold._map, False) in compiles
     g4, w4 = g.view(groups, slots, rows, width), w.view(groups, slots, rows, width)
     want_dw = g4 * row[None, :, :, None] * col[None, :, None, :]
     want_row = torch.einsum("gsri,gsri,si->sr", g4, w4, col)

@@ -8,100 +8,19 @@ no full-size tensor that the stock layer does not keep already.
 * ``glu_norm`` (layers/glu.py): the FFN-width norms of gate and up fused with the GLU, on the
   same machinery.
 
-The element-wise bodies are plain tensor functions, run eagerly or through ``torch.compile``,
-one compiled function per kernel body (``set_compile``, or ``MEGATRON_SCALEVEC_FUSED_COMPILE``
-in the environment: the one switch). ``auto`` compiles on CPU and CUDA: the benchmark measured
-it faster on both (eager unified +15% step time vs ``shared`` on CPU, compiled +5%). The tests
-set ``off`` (compiling every shape of every test costs more than the tests). Where inductor
-cannot compile (no C++ compiler), ``auto`` falls back to eager once, with one warning.
-``reference()`` switches every call to the autograd composite it replaces: the tests compare
-the two.
+The element-wise bodies are plain tensor functions, compiled or not by layers/compile.py (the
+one place that applies ``torch.compile``). The tests compare these functions with the autograd
+composites they replace (scalevec_testing/reference.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import warnings
 from typing import Optional
 
 import torch
 
 from megatron_scalevec import ops
-from megatron_scalevec.norms import normalize
-
-_ENV = "MEGATRON_SCALEVEC_FUSED_COMPILE"
-_STATE = {"compile": os.environ.get(_ENV, "auto"), "reference": False, "broken": False}
-_COMPILED: dict = {}
-
-
-def set_compile(mode: str) -> None:
-    """``auto`` (compiled; eager once compiling has failed), ``on`` or ``off``."""
-    _check_mode(mode, "fused compile mode")
-    _STATE["compile"] = mode
-
-
-def _check_mode(mode: str, what: str) -> None:
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{what} must be auto, on or off, got {mode!r}")
-
-
-def compile_mode() -> str:
-    return _STATE["compile"]
-
-
-@contextlib.contextmanager
-def reference():
-    """Run the unfused autograd composites instead of the fused functions (tests)."""
-    saved = _STATE["reference"]
-    _STATE["reference"] = True
-    try:
-        yield
-    finally:
-        _STATE["reference"] = saved
-
-
-def use_reference() -> bool:
-    return _STATE["reference"]
-
-
-def _kernel(fn, dynamic: Optional[bool] = None):
-    """``fn`` through ``torch.compile`` (or not) as set_compile says; ``dynamic=False`` for
-    functions whose shapes are the weights' (a few per model), never a token count."""
-    mode = _STATE["compile"]
-    _check_mode(mode, f"{_ENV} / fused compile mode")
-    if mode == "off" or (mode == "auto" and _STATE["broken"]):
-        return fn
-    key = (fn, dynamic)
-    if key not in _COMPILED:
-        _COMPILED[key] = _guarded(fn, torch.compile(fn, dynamic=dynamic))
-    return _COMPILED[key]
-
-
-def _guarded(fn, compiled):
-    """``compiled``, or under ``auto`` the eager ``fn`` for good once compiling has failed."""
-
-    def call(*args):
-        if _STATE["broken"] and _STATE["compile"] == "auto":
-            return fn(*args)
-        try:
-            return compiled(*args)
-        except Exception as err:  # inductor raises many types (no compiler, unsupported op)
-            if _STATE["compile"] != "auto" or not _is_compile_error(err):
-                raise
-            _STATE["broken"] = True
-            warnings.warn(f"torch.compile of the fused DNP kernels failed ({type(err).__name__});"
-                          f" running them eagerly (set {_ENV}=off to skip compiling)",
-                          stacklevel=2)
-            return fn(*args)
-
-    return call
-
-
-def _is_compile_error(err: Exception) -> bool:
-    mod = type(err).__module__ or ""
-    return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor")
-
+from megatron_scalevec.layers import compile
 
 # ---------------------------------------------------------------- RoPE pieces (last dim)
 
@@ -159,7 +78,7 @@ def _head_bwd(dy, out, rstd, a, cos, sin, layer: bool, interleaved: bool):
 class _HeadNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, a, cos, sin, eps, layer, interleaved):
-        out, rstd = _kernel(_head_fwd)(x, a, cos, sin, eps, layer, interleaved)
+        out, rstd = compile.kernel(_head_fwd)(x, a, cos, sin, eps, layer, interleaved)
         ctx.save_for_backward(out, rstd, a, cos, sin)
         ctx.layer, ctx.interleaved = layer, interleaved
         return out
@@ -167,7 +86,8 @@ class _HeadNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         out, rstd, a, cos, sin = ctx.saved_tensors
-        dx, da = _kernel(_head_bwd)(dy, out, rstd, a, cos, sin, ctx.layer, ctx.interleaved)
+        kernel = compile.kernel(_head_bwd)
+        dx, da = kernel(dy, out, rstd, a, cos, sin, ctx.layer, ctx.interleaved)
         return dx.to(out.dtype), da, None, None, None, None, None
 
 
@@ -181,12 +101,6 @@ def head_norm(x, a: Optional[torch.Tensor], eps: float, normalization: str, rope
     """``[R](a * N_head(x))`` over the last dim; ``rope`` = (cos, sin) from rope_cos_sin."""
     layer = ops.is_layer_norm(normalization)
     cos, sin = rope if rope is not None else (None, None)
-    if use_reference():
-        y = _norm_reference(x, layer, eps, None, x.shape[-1])
-        y = (y * a if a is not None else y).to(x.dtype)
-        if cos is None:
-            return y
-        return _rope(y, cos, sin, interleaved).to(x.dtype)
     return _HeadNorm.apply(x, a, cos, sin, eps, layer, interleaved)
 
 
@@ -227,7 +141,7 @@ def _per_slot(rope):
 class _QKVNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mixed, a_q, a_k, a_v, rope_q, rope_k, eps, layer, interleaved, qpg):
-        kernel = _kernel(_qkv_fwd)
+        kernel = compile.kernel(_qkv_fwd)
         q, k, v, rq, rk, rv = kernel(mixed, a_q, a_k, a_v, rope_q, rope_k, eps, layer,
                                      interleaved, qpg)
         ctx.save_for_backward(q, k, v, rq, rk, rv, a_q, a_k, a_v,
@@ -240,7 +154,7 @@ class _QKVNorm(torch.autograd.Function):
         *saved, cq, sq, ck, sk = ctx.saved_tensors
         rope_q = None if cq is None else (cq, sq)
         rope_k = None if ck is None else (ck, sk)
-        kernel = _kernel(_qkv_bwd)
+        kernel = compile.kernel(_qkv_bwd)
         dx, daq, dak, dav = kernel(dq, dk, dv, *saved, rope_q, rope_k, ctx.layer,
                                    ctx.interleaved, ctx.qpg)
         return dx, daq, dak, dav, None, None, None, None, None, None
@@ -253,16 +167,5 @@ def qkv_norm(mixed, vectors, eps: float, normalization: str, qpg: int, rope_q=No
     a_v)): one function for the three, with no split copy, as head_norm keeps only its
     outputs and per-row 1/rms."""
     layer = ops.is_layer_norm(normalization)
-    if use_reference():
-        q, k, v = (t.flatten(-3, -2) for t in _slots(mixed, qpg))
-        return (head_norm(q, vectors[0], eps, normalization, rope_q, interleaved),
-                head_norm(k, vectors[1], eps, normalization, rope_k, interleaved),
-                head_norm(v, vectors[2], eps, normalization))
     return _QKVNorm.apply(mixed, *vectors, rope_q, rope_k, eps, layer, interleaved, qpg)
 
-
-# ---------------------------------------------------------------- shared helpers
-
-def _norm_reference(x, layer: bool, eps: float, group, n: int):
-    """The autograd composite N(x) the fused functions replace (float32, norms.normalize)."""
-    return normalize(x, "LayerNorm" if layer else "RMSNorm", eps, group, n)

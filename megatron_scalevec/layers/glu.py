@@ -7,7 +7,8 @@ Grouped experts give each row its expert's vectors (:class:`ExpertRows`; rows so
 expert). Each expert's vector gradient is summed over its own rows without writing a per-row
 product: the kernel sums blocks of ``BLOCK`` rows, a block inside one expert goes to that
 expert, and only the rows of the few blocks that span two experts (at most one per expert
-boundary) are kept one by one. Compiled like the rest of layers/fused.py (``fused._kernel``).
+boundary) are kept one by one. The bodies are compiled or not by layers/compile.py, with its
+guards for a row count that varies (``rows_kernel``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_scalevec import ops, sharding
-from megatron_scalevec.layers.fused import (
-    _kernel,
-    _norm_reference,
-    use_reference,
-)
+from megatron_scalevec.layers import compile
 
 BLOCK = 16  # rows per block of the per-expert vector gradients
 
@@ -205,15 +202,6 @@ def _width(z, gated: bool) -> int:
     return z.shape[-1] // (2 if gated else 1)
 
 
-def _static_widths(*tensors) -> None:
-    """Keep the kernels' widths static for torch.compile: grouped or sequential experts see a
-    new row count each micro-batch, and dynamo's automatic dynamic shapes would otherwise make
-    every size symbolic once two calls differ (a dense GLU kernel ran 1.4x slower so)."""
-    for t in tensors:
-        if t is not None and t.dim():
-            torch._dynamo.mark_static(t, t.dim() - 1)
-
-
 def _per_expert(keys, a_g, a_u, dz, da_g, da_u):
     """Expert vector gradients: the summands (blocks and rows, :func:`_vector_grad`) added
     into the experts ``keys`` names, by one small GEMM with their one-hot matrix (a
@@ -228,13 +216,13 @@ class _GLUNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys):
         ctx.local = sharding.group_size(group) == 1 and n == _width(z, gated)
-        _static_widths(z, a_g, a_u)
         if ctx.local:  # statistics and output in one kernel
-            kernel = _rows_kernel(_glu_local_fwd, z)
+            kernel = compile.rows_kernel(_glu_local_fwd, z, a_g, a_u)
             h, mean, rstd = kernel(z, a_g, a_u, ids, act, gated, layer, eps)
         else:
             mean, rstd = _glu_stats(z, gated, layer, eps, group, n)
-            h = _rows_kernel(_glu_split_fwd, z)(z, mean, rstd, a_g, a_u, ids, act, gated)
+            kernel = compile.rows_kernel(_glu_split_fwd, z, a_g, a_u)
+            h = kernel(z, mean, rstd, a_g, a_u, ids, act, gated)
         ctx.save_for_backward(z, mean, rstd, a_g, a_u, ids, spans, keys)
         ctx.act, ctx.gated, ctx.group, ctx.n = act, gated, group, n
         return h
@@ -243,21 +231,13 @@ class _GLUNorm(torch.autograd.Function):
     def backward(ctx, dh):
         z, mean, rstd, a_g, a_u, ids, spans, keys = ctx.saved_tensors
         args = (dh, z, mean, rstd, a_g, a_u, ids, spans, keys, ctx.act, ctx.gated)
-        _static_widths(dh, z, a_g, a_u)
         if ctx.local:  # row sums and gradients in one kernel
-            dz, da_g, da_u = _rows_kernel(_glu_local_bwd, z)(*args)
+            dz, da_g, da_u = compile.rows_kernel(_glu_local_bwd, z, dh, a_g, a_u)(*args)
         else:
-            kernel = _rows_kernel(_glu_split_bwd, z)
+            kernel = compile.rows_kernel(_glu_split_bwd, z, dh, a_g, a_u)
             dots = sharding.all_reduce_sum(kernel(*args, None), ctx.group) / ctx.n
             dz, da_g, da_u = kernel(*args, dots)
         return dz, da_g, da_u, *(None,) * 9
-
-
-def _rows_kernel(fn, z):
-    """``fn`` compiled (fused._kernel), but eager for fewer than two rows: dynamo specializes
-    sizes 0 and 1, and a sequential expert meets them often (a recompile each, until
-    dynamo's recompile limit)."""
-    return fn if z.shape[0] < 2 else _kernel(fn)
 
 
 def _rows(ids, *vectors):
@@ -287,11 +267,4 @@ def glu_norm(z, a_g, a_u, act, *, gated: bool, normalization: str, eps: float, g
     layer = ops.is_layer_norm(normalization)
     n = width or _width(z, gated) * sharding.group_size(group)
     ids, spans, keys = experts if experts is not None else (None, None, None)
-    if use_reference():
-        a_g, a_u = _rows(ids, a_g, a_u)
-        gate, up = _parts(z, gated)
-        nu = (_norm_reference(up, layer, eps, group, n) * a_u).to(z.dtype)
-        if not gated:
-            return act(nu)
-        return act((_norm_reference(gate, layer, eps, group, n) * a_g).to(z.dtype)) * nu
     return _GLUNorm.apply(z, a_g, a_u, act, gated, layer, eps, group, n, ids, spans, keys)

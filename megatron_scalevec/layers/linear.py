@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers import fold, fused
+from megatron_scalevec.layers import fold
 from megatron_scalevec.vectors import ScaleVector, stacked
 
 
@@ -280,11 +280,6 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
                 **kwargs)
         if grad_output_buffer is not None:
             raise NotImplementedError("deferred wgrad compute with folded scale vectors")
-        if fused.use_reference():  # tests: the autograd fold (keeps W_eff)
-            return super()._forward_impl(
-                input, self.effective_weight(weight), bias, False,
-                allreduce_dgrad, sequence_parallel, None, None,
-                tp_group=tp_group, **kwargs)
         mode = self._step_map.mode(weight)
         row, col = self.fold_vectors()
         if mode == "accumulate":  # this micro-batch's vector gradient comes with the map

@@ -422,9 +422,9 @@ def _main(argv) -> list:
     created = _init_distributed(args)
     args = _parse_once(argv, dist.get_world_size())
     if args.fused_compile is not None:
-        from megatron_scalevec.layers import fused  # noqa: PLC0415
+        from megatron_scalevec.layers import compile  # noqa: PLC0415
 
-        fused.set_compile(args.fused_compile)
+        compile.set_mode(args.fused_compile)
     trainer = None
     try:
         try:
