@@ -59,7 +59,7 @@ def rows_kernel(fn, z: torch.Tensor, *tensors):
     sequential expert meets often (a recompile each, up to dynamo's limit). The last dim of
     ``z`` and ``tensors`` is marked static: once two row counts differ, dynamo's automatic
     dynamic shapes would make every size symbolic (a dense GLU kernel ran 1.4x slower so)."""
-    for t in (z, *tensors):
+    for t in (z, *tensors):  # torch._dynamo.mark_static: private, checked on torch 2.13.0
         if t is not None and t.dim():
             torch._dynamo.mark_static(t, t.dim() - 1)
     return fn if z.shape[0] < 2 else kernel(fn)
