@@ -34,7 +34,7 @@ REL = 1e-3
 
 def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=False,
            experts=0, steps=STEPS, recompute=False, sequence_parallel=None, te=False,
-           te_fused_wgrad=False, grouped=False, bf16=False):
+           te_fused_wgrad=False, grouped=False, bf16=False, extra=None):
     context = contextlib.nullcontext
     if te:  # TE's real Python over the test stand-in (scalevec_testing/te_stub.py)
         te_stub.activate()
@@ -51,7 +51,7 @@ def _train(rank, world, strategy, per_step, *, tp=1, dist_opt=False, overlap=Fal
         kw.update(kw_te)
     if bf16:  # bf16 parameters and main_grad (no fp32 gradient accumulation)
         kw.update(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
-    config = M.tiny_config(**kw)
+    config = M.tiny_config(**kw, **(extra or {}))
     with context():
         model = M.build_gpt(config, strategy)
     if te_fused_wgrad:  # TE's linears only: the output layer would need APEX's CUDA kernel
@@ -150,6 +150,18 @@ def test_te_grouped_experts_map_once_per_step(fusion):
     # every expert's G summed in its own main_grad, all experts mapped on the last micro-batch
     r = _compare(1, "unified", te=True, te_fused_wgrad=fusion, experts=4, grouped=True)[0]
     assert r["folded"] > 0
+
+
+@needs_te
+@pytest.mark.parametrize("experts", [0, 4], ids=["dense", "te_grouped"])
+def test_te_map_once_per_step_with_biases(experts):
+    # linear biases (DP refuses one: hg+dnp) under TE's fused wgrad accumulation: the bias
+    # gradients TE's GEMMs compute ride along with the per-step map, dense and TE grouped
+    r = _compare(1, "hg+dnp", te=True, te_fused_wgrad=True, experts=experts,
+                 grouped=bool(experts), extra=dict(add_bias_linear=True))[0]
+    moved = [n for n, d in r["deltas"].items() if n.rsplit(".", 1)[-1].startswith("bias")
+             and float(d.abs().sum()) > 0]
+    assert r["folded"] > 0 and len(moved) >= 4, moved  # the biases trained, in both modes
 
 
 @pytest.mark.parametrize("strategy", ["hg+dp", "unified"])
