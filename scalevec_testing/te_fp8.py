@@ -92,11 +92,16 @@ def _transpose_of(bits: torch.Tensor) -> torch.Tensor:
         bits.shape[-1], *bits.shape[:-1])
 
 
+def _usages(quantizer) -> tuple:
+    """(row-wise data, transpose) a quantizer's output holds: the data unless only a transpose
+    is used, a transpose where the GPU needs one for column-wise use."""
+    return (quantizer.rowwise_usage or _non_tn(), quantizer.columnwise_usage and not _non_tn())
+
+
 def _new_output(quantizer, shape, fake_dtype, device):
-    """The tensor TE's ``create_tensor`` builds: rowwise data unless only a transpose is used,
-    a transpose where the GPU needs one, ``Float8TensorStorage`` for internal quantizers."""
-    with_data = quantizer.rowwise_usage or _non_tn()
-    with_t = quantizer.columnwise_usage and not _non_tn()
+    """The tensor TE's ``create_tensor`` builds (:func:`_usages`), ``Float8TensorStorage`` for
+    internal quantizers."""
+    with_data, with_t = _usages(quantizer)
     data = torch.empty(shape, dtype=torch.uint8, device=device) if with_data else None
     t = torch.empty([shape[-1], *shape[:-1]], dtype=torch.uint8, device=device) if with_t \
         else None
@@ -115,8 +120,7 @@ def _coerce(quantizer, out):
                         f"got {type(out).__name__}")
     shape = list(out._data.shape) if out._data is not None else \
         [*out._transpose.shape[1:], out._transpose.shape[0]]
-    need_data = quantizer.rowwise_usage or _non_tn()
-    need_t = quantizer.columnwise_usage and not _non_tn()
+    need_data, need_t = _usages(quantizer)
     device = (out._data if out._data is not None else out._transpose).device
     if need_data and out._data is None:
         out._data = torch.empty(shape, dtype=torch.uint8, device=device)
@@ -131,6 +135,14 @@ def _coerce(quantizer, out):
     return out
 
 
+def _scale(top: float, amax: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """``top / amax``; ``fallback`` where amax is 0 or not finite, fp32's largest value where the
+    quotient overflows (both recipes' rule)."""
+    scale = torch.where((amax > 0) & torch.isfinite(amax), top / amax, fallback)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max),
+                       scale)
+
+
 def _current_scale(quantizer, amax: torch.Tensor) -> torch.Tensor:
     """Current scaling's scale from this tensor's amax (all-reduced over the quantizer's group
     first, where it asks): largest FP8 value / max(amax, epsilon), 1 where that is 0 or not
@@ -141,10 +153,7 @@ def _current_scale(quantizer, amax: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX,
                                      group=quantizer.amax_reduction_group)
     a = amax.clamp_min(quantizer.amax_epsilon)
-    scale = fp8_max(quantizer.dtype) / a
-    scale = torch.where((a > 0) & torch.isfinite(a), scale, torch.ones_like(scale))
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max),
-                        scale)
+    scale = _scale(fp8_max(quantizer.dtype), a, torch.ones_like(a))
     if quantizer.force_pow_2_scales:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     for name, value in (("amax", amax), ("scale", scale)):
@@ -233,11 +242,7 @@ def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer, amax_hist
         history[0].copy_(amax_reduction_buffer[start:start + n])
         start += n
         amax = history.amax(0) if amax_compute_algo == "max" else history[0].clone()
-        new = (top / amax) / 2.0 ** margin
-        new = torch.where((amax > 0) & torch.isfinite(amax), new, scale)
-        new = torch.where(torch.isinf(new), torch.full_like(new, torch.finfo(torch.float32).max),
-                          new)
-        scale.copy_(new)
+        scale.copy_(_scale(top / 2.0 ** margin, amax, scale))
         history.copy_(torch.roll(history, -1, 0))
         history[0].zero_()
 

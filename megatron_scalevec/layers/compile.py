@@ -58,8 +58,10 @@ def rows_kernel(fn, z: torch.Tensor, *tensors):
     count each micro-batch). Eager below two rows: dynamo specializes sizes 0 and 1, which a
     sequential expert meets often (a recompile each, up to dynamo's limit). The last dim of
     ``z`` and ``tensors`` is marked static: once two row counts differ, dynamo's automatic
-    dynamic shapes would make every size symbolic (a dense GLU kernel ran 1.4x slower so)."""
-    for t in (z, *tensors):  # torch._dynamo.mark_static: private, checked on torch 2.13.0
+    dynamic shapes would make every size symbolic (a dense GLU kernel ran 1.4x slower so).
+    ``torch._dynamo.mark_static`` is private (no public equivalent in torch 2.13.0, where it is
+    checked)."""
+    for t in (z, *tensors):
         if t is not None and t.dim():
             torch._dynamo.mark_static(t, t.dim() - 1)
     return fn if z.shape[0] < 2 else kernel(fn)
@@ -91,5 +93,8 @@ def compiled(fn, dynamic: Optional[bool] = None):
 
 
 def _compile_error(err: Exception) -> bool:
+    """An error raised by torch.compile's own machinery, told by its module: torch's private
+    ``torch._dynamo`` / ``torch._inductor`` packages (names checked on torch 2.13.0; there is no
+    public base class for compile errors)."""
     mod = type(err).__module__ or ""
     return mod.startswith("torch._dynamo") or mod.startswith("torch._inductor")
