@@ -111,6 +111,17 @@ def sum_in_place(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def sum_coalesced(tensors: list, group) -> None:
+    """Each of ``tensors`` summed over ``group`` in place, in one collective (outside autograd:
+    the step-closing pass of vectors.py)."""
+    if group_size(group) == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
 def sum_over_world(t: torch.Tensor) -> torch.Tensor:
     """``t`` (a small host tensor of counts) summed over every rank, when distributed."""
     if dist.is_available() and dist.is_initialized():

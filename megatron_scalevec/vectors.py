@@ -162,22 +162,58 @@ class ScaleVector(nn.Module):
 def _gamma(v0: ScaleVector, part) -> torch.Tensor:
     """The table in the module doc over the last dim, for one vector ([m] parts, scalars [1])
     or k alike ones stacked ([k, m], [k, 1]); ``part(name)`` gives the float32 tensor. Norms
-    and means run over the whole logical vector; a split vector's scalar is shared by its
-    ranks, each of which sees part of its gradient (``reduce_grad``)."""
+    and means run over the whole logical vector (split: :class:`_Magnitude` /
+    :class:`_Exponential`)."""
     kind = v0.parameterization
     if kind == "plain":
         gamma = part("weight")
     elif kind == "or":
-        u = part("direction")
-        sq = sharding.all_reduce_sum(u.pow(2).sum(-1, keepdim=True), v0.split_group)
-        beta = sharding.reduce_grad(part("magnitude"), v0.split_group)
-        # sqrt(m) / |u| written as rsqrt(mean(u^2)): exactly 1 at init (u = 1).
-        gamma = beta * u * torch.rsqrt(sq / v0.global_size)
+        gamma = _Magnitude.apply(part("direction"), part("magnitude"), v0.split_group,
+                                 v0.global_size)
     else:
-        v = part("logit")
-        mean = sharding.all_reduce_sum(v.sum(-1, keepdim=True), v0.split_group) / v0.global_size
-        gamma = torch.exp(sharding.reduce_grad(part("alpha"), v0.split_group) + v - mean)
+        gamma = _Exponential.apply(part("logit"), part("alpha"), v0.split_group,
+                                   v0.global_size)
     return gamma  # partial over v0.grad_group: summed there by _value
+
+
+class _Magnitude(torch.autograd.Function):
+    """OR: ``gamma = beta * u * rsqrt(mean(u^2))`` (``sqrt(m) / |u|``, exactly 1 at init), the
+    mean over the whole vector. Written out so that a split vector needs one collective each
+    way: the sum of squares forward, ``t = sum(g * u)`` backward (``beta`` is shared by the
+    split's ranks: ``d beta = t * r`` on each)."""
+
+    @staticmethod
+    def forward(ctx, u, beta, group, m):
+        r = torch.rsqrt(sharding.sum_in_place(u.pow(2).sum(-1, keepdim=True), group) / m)
+        ctx.save_for_backward(u, beta, r)
+        ctx.group, ctx.m = group, m
+        return beta * u * r
+
+    @staticmethod
+    def backward(ctx, g):
+        u, beta, r = ctx.saved_tensors
+        t = sharding.sum_in_place((g * u).sum(-1, keepdim=True), ctx.group)
+        return beta * r * (g - (r * r * t / ctx.m) * u), t * r, None, None
+
+
+class _Exponential(torch.autograd.Function):
+    """ER: ``gamma = exp(alpha + v - mean(v))``, the mean over the whole vector; one collective
+    each way when split (``sum(v)``; ``t = sum(g * gamma)``, which is ``d alpha``)."""
+
+    @staticmethod
+    def forward(ctx, v, alpha, group, m):
+        mean = sharding.sum_in_place(v.sum(-1, keepdim=True), group) / m
+        gamma = torch.exp(alpha + v - mean)
+        ctx.save_for_backward(gamma)
+        ctx.group, ctx.m = group, m
+        return gamma
+
+    @staticmethod
+    def backward(ctx, g):
+        (gamma,) = ctx.saved_tensors
+        h = g * gamma
+        t = sharding.sum_in_place(h.sum(-1, keepdim=True), ctx.group)
+        return h - t / ctx.m, t, None, None
 
 
 def stacked(vectors: list) -> torch.Tensor:
@@ -201,10 +237,11 @@ def _value(vectors: list, compute) -> torch.Tensor:
 
     Every micro-batch (reduced in autograd) outside megatron-core's DDP training. Under it, the
     parameters do not change within an optimizer step, so gamma is computed once per step (its
-    statistics' collectives with it) and every micro-batch but the last uses that value as a
-    leaf that accumulates its gradient; the last one's backward adds the sum, reduces it over
-    ``grad_group`` (one collective a step) and maps it through gamma's own backward, before
-    DDP reduces the vectors' buckets (megatron_scalevec/steps.py)."""
+    statistics' collectives with it) and every micro-batch uses that value as a leaf that
+    accumulates its gradient. The last micro-batch's backward closes the step (:func:`_close`):
+    once it has run, every vector it reached has its step's gradient summed over its group in
+    one collective per group, then mapped through gamma's own backward onto the parameters,
+    before DDP reduces the vectors' buckets (megatron_scalevec/steps.py)."""
     v0 = vectors[0]
     params = [p for v in vectors for p in v._parameters.values()]
     n = steps.per_step(params[0])
@@ -223,6 +260,7 @@ def _value(vectors: list, compute) -> torch.Tensor:
         steps.start(params)
         state.seen, state.gamma = 0, compute()
         state.leaf = state.gamma.detach().requires_grad_()
+        state.params, state.group = params, v0.grad_group
     elif state.seen >= n:
         raise steps.over_count("a scale vector", state.seen + 1, n)
     elif state.gamma is None:
@@ -231,34 +269,62 @@ def _value(vectors: list, compute) -> torch.Tensor:
     state.seen += 1
     if state.seen < n:
         return state.leaf
-    gamma, state.gamma = state.gamma, None
-    return _StepSum.apply(gamma, state, params, v0.grad_group)
+    return _LastMicroBatch.apply(state.leaf, state)
 
 
 class _Step:
-    """One vector's (or one stack's) gamma in the current step, and its accumulating leaf."""
+    """One vector's (or one stack's) gamma in the current step and its accumulating leaf."""
 
     def __init__(self):
         self.seen = 0
-        self.gamma: Optional[torch.Tensor] = None  # with autograd, until the last micro-batch
+        self.gamma: Optional[torch.Tensor] = None  # with autograd, until the step closes
         self.leaf: Optional[torch.Tensor] = None
+        self.params: list = []
+        self.group = None  # where the leaf's gradient is partial
 
 
-class _StepSum(torch.autograd.Function):
-    """Identity on the step's gamma; its backward (the last micro-batch's) adds the earlier
-    micro-batches' gradient, sums over ``group`` and hands DDP back the parameters' hooks."""
+class _LastMicroBatch(torch.autograd.Function):
+    """Identity on the step's leaf; its backward (the step's last micro-batch's) enrols the
+    vector in :func:`_close`, which runs when that backward has finished."""
 
     @staticmethod
-    def forward(ctx, gamma, state, params, group):
-        ctx.state, ctx.params, ctx.group = state, params, group
-        return gamma.view_as(gamma)
+    def forward(ctx, leaf, state):
+        ctx.state = state
+        return leaf.view_as(leaf)
 
     @staticmethod
     def backward(ctx, grad):
-        leaf, ctx.state.leaf = ctx.state.leaf, None
-        if leaf is not None and leaf.grad is not None:
-            grad = grad + leaf.grad
-        grad = sharding.sum_in_place(grad.clone(), ctx.group)
-        for p in ctx.params:  # their gradients now go through .grad as usual
+        if not _CLOSING:
+            # Private: the autograd engine's queue_callback (what torch's DDP and FSDP use to
+            # run code when a backward pass has finished; no public equivalent in torch 2.9 to
+            # 2.13). A reentrant backward (recompute) closes at its own end.
+            torch.autograd.Variable._execution_engine.queue_callback(_close)
+        _CLOSING.append(ctx.state)
+        return grad, None
+
+
+_CLOSING: list = []  # the steps whose last micro-batch's backward is running
+
+
+def _close() -> None:
+    """Close the step of every vector whose last backward just ran: the leaves' gradients (the
+    step's sum) are summed over their groups, one collective per group for all of them, then
+    mapped through each gamma's backward (OR / ER transform) onto the parameters, where
+    megatron-core's DDP hooks take them as any gradient (``grad_added_to_main_grad`` cleared)."""
+    states = [s for s in _CLOSING if s.gamma is not None and s.leaf.grad is not None]
+    _CLOSING.clear()
+    if not states:
+        return
+    grads = [s.leaf.grad for s in states]
+    by_group: dict = {}
+    for s, g in zip(states, grads):
+        if s.group is not None:
+            by_group.setdefault(s.group, []).append(g)
+    for group, tensors in by_group.items():  # the same order on every rank of a group
+        sharding.sum_coalesced(tensors, group)
+    gammas = [s.gamma for s in states]
+    for s in states:
+        s.gamma = s.leaf = None
+        for p in s.params:  # their gradients now go through .grad as usual
             p.grad_added_to_main_grad = False
-        return grad, None, None, None
+    torch.autograd.backward(gammas, grads)

@@ -107,9 +107,14 @@ def stacked_forward_weight(fc1: Fc1View, weights, folds=None) -> torch.Tensor:
 def expert_norm_vectors(experts, config) -> tuple:
     """(a_g or None, a_u), each [E, f]: the DNP vectors of the experts (each with ``gate_norm``
     and ``up_norm``), read through their module calls."""
-    a_u = stacked_gamma([e.up_norm for e in experts])
-    return (stacked_gamma([e.gate_norm for e in experts]) if config.gated_linear_unit
-            else None), a_u
+    ups = [e.up_norm for e in experts]
+    if not config.gated_linear_unit:
+        return None, stacked_gamma(ups)
+    gates = [e.gate_norm for e in experts]
+    if not ups[0].enabled or all(v is ups[0] for v in ups):  # none, or one shared by all
+        return stacked_gamma(gates), stacked_gamma(ups)
+    both = stacked(gates + ups)  # one batched evaluation of all 2E alike vectors
+    return both[:len(experts)], both[len(experts):]
 
 
 def experts_glu_norm(h, a_g, a_u, norm, config, rows: glu.ExpertRows) -> torch.Tensor:

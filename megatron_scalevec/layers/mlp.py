@@ -17,6 +17,7 @@ from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import glu
 from megatron_scalevec.norms import ScaleVecNorm
+from megatron_scalevec.vectors import stacked
 
 
 class ScaleVecMLP(MLP):
@@ -62,7 +63,11 @@ class ScaleVecMLP(MLP):
             h = h + bias
         gated = self.config.gated_linear_unit
         norm = self.up_norm
-        h = glu.glu_norm(h, self.gate_norm.vector() if gated else None, norm.vector(),
+        if gated and norm.enabled:  # alike vectors: one batched evaluation (vectors.stacked)
+            a_g, a_u = stacked([self.gate_norm, norm]).unbind(0)
+        else:
+            a_g, a_u = self.gate_norm.vector() if gated else None, norm.vector()
+        h = glu.glu_norm(h, a_g, a_u,
                          self.config.activation_func, gated=gated,
                          normalization=norm.normalization, eps=norm.eps,
                          group=norm.split_group, width=norm.global_size)
