@@ -7,8 +7,9 @@ Rules (one place, so the math modules never mention process groups):
   vector (``|u|`` for OR, ``mean(v)`` for ER, the DNP norm over the FFN width) are all-reduced
   with :func:`all_reduce_sum`, differentiable both ways, so the result equals the unsplit one.
 * A *replicated* vector whose use sees only rank-local data (rows of a column-parallel weight,
-  local heads, a sequence-parallel shard of tokens) gets a partial gradient. We sum it in
-  autograd with :func:`reduce_grad` over that group. Nothing relies on
+  local heads, a sequence-parallel shard of tokens) gets a partial gradient. We sum it over
+  that group: in autograd with :func:`reduce_grad` every micro-batch, or under megatron-core's
+  DDP once a step for all vectors together (:func:`sum_coalesced`, vectors.py). Nothing relies on
   ``finalize_model_grads``' name or ``sequence_parallel`` conventions, so no vector is reduced
   twice and the rule holds for the expert-tensor-parallel group too.
 * Expert vectors copy ``allreduce`` from their expert weight, so DDP reduces them over the

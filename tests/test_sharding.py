@@ -71,6 +71,9 @@ def _two_ranks(rank, world):
     t = x0.clone()
     out["in_place_is_t"] = sharding.sum_in_place(t, tp) is t
     out["in_place"] = t
+    a, b = x0.clone(), (x0[:2] * 10).reshape(2, 1)  # two shapes, one collective
+    sharding.sum_coalesced([a, b], tp)
+    out["coalesced"] = (a, b)
     out["sp_pre_norm"] = sharding.placement("pre_norm", SP, tp)["grad_group"] is tp
     out["no_sp_pre_norm"] = sharding.placement("pre_norm", NO_SP, tp)["grad_group"] is None
     out["router_sp"] = sharding.placement("router_input", SP, tp)["grad_group"] is tp
@@ -90,4 +93,6 @@ def test_two_ranks_forward_and_backward_semantics():
         assert torch.equal(y, x0) and torch.equal(g, grads), (rank, y, g)
         assert out["no_grad_is_x"]
         assert out["in_place_is_t"] and torch.equal(out["in_place"], summed)
+        a, b = out["coalesced"]  # each tensor summed in place, its shape kept
+        assert torch.equal(a, summed) and torch.equal(b, torch.tensor([[30.0], [60.0]])), (a, b)
         assert out["sp_pre_norm"] and out["no_sp_pre_norm"] and out["router_sp"]
