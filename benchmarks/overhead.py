@@ -178,7 +178,7 @@ def build_row(name: str, cfg, args, data) -> dict:
     act = saved_activation_bytes(
         lambda m=model, b=b: m(b["tokens"], b["position_ids"], None, labels=b["labels"]))
     ddp = M.wrap_ddp(model, cfg)
-    opt = M.make_optimizer(ddp, lr=1e-4, clip_grad=args.clip_grad)
+    opt = M.make_optimizer(ddp, lr=1e-4, clip_grad=args.clip_grad, bf16=args.bf16)
     if not args.cpu_fallbacks:
         multi_tensor_adam(opt)
     return dict(name=name, config=cfg, model=model, ddp=ddp, opt=opt, params=n_params,

@@ -140,18 +140,19 @@ LINEAR_ADAM_EPS = 1e4
 
 
 def make_optimizer(ddp_model, distributed_optimizer: bool = False, lr: float = 1e-2,
-                   optimizer: str = "adam", clip_grad: float = 0.0):
+                   optimizer: str = "adam", clip_grad: float = 0.0, bf16: bool = False):
     """megatron-core's optimizer. Layout checks use ``optimizer="sgd"`` (no momentum): its
     update is linear in the gradient, so a wrong gradient scale shows (Adam hides it).
     ``ddp_model``: one DDP model or a list of chunks (:func:`wrap_ddp`).
     megatron-core's distributed optimizer takes Adam only; there "sgd" is Adam with
     ``beta1 = 0`` and ``eps`` far above every ``|g|``: ``lr g / (|g| + eps) = (lr / eps) g``
-    to a relative 1e-4 / eps, i.e. SGD at ``lr``."""
+    to a relative 1e-4 / eps, i.e. SGD at ``lr``. ``bf16``: bf16 parameters with fp32 master
+    weights (megatron-core's mixed-precision optimizer)."""
     kw = dict(optimizer=optimizer, sgd_momentum=0.0)
     if optimizer == "sgd" and distributed_optimizer:
         kw = dict(optimizer="adam", adam_beta1=0.0, adam_eps=LINEAR_ADAM_EPS)
         lr = lr * LINEAR_ADAM_EPS
-    cfg = OptimizerConfig(lr=lr, weight_decay=0.0, bf16=False, fp16=False,
+    cfg = OptimizerConfig(lr=lr, weight_decay=0.0, bf16=bf16, fp16=False,
                           use_distributed_optimizer=distributed_optimizer, clip_grad=clip_grad,
                           **kw)
     chunks = ddp_model if isinstance(ddp_model, list) else [ddp_model]

@@ -299,3 +299,32 @@ def test_device_columns_kept_bytes_and_syncs_per_micro_batch():
     assert kept == direct and all(k > 0 for k in kept), (kept, direct)
     assert per_mb == [2.0, 2.0], per_mb
     assert "| kept MiB | kept/shared@eager | syncs/mb |" in table[1], table[1]
+
+
+def _bench_bf16(rank, world):
+    init_model_parallel()
+    from benchmarks import overhead as bench
+
+    args = bench.build_parser().parse_args(
+        ["--variants", "shared@eager", "unified@eager", "--baseline", "shared@eager", "--bf16",
+         "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
+         "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0", "--repeats", "1",
+         "--instances", "1"])
+    rows = bench.run(args)
+    out = {}
+    for r in rows:
+        opt = getattr(r["opt"], "chained_optimizers", [r["opt"]])[0]
+        masters = [p for g in opt.optimizer.param_groups for p in g["params"]]
+        params = list(r["model"].parameters())
+        out[r["name"]] = ({p.dtype for p in params}, {p.dtype for p in masters}, len(r["times"]))
+    return out
+
+
+def test_benchmark_bf16_trains_bf16_weights_with_fp32_master_weights():
+    """--bf16 (what tools/gpu_check.sh runs on a GPU): bf16 weights in megatron-core's
+    mixed-precision optimizer with fp32 master weights, as Megatron-LM's --bf16; a step runs."""
+    out = run_on_ranks(_bench_bf16, 1)[0]
+    for name, (params, masters, steps) in out.items():
+        assert params == {torch.bfloat16} and masters == {torch.float32} and steps == 1, \
+            (name, params, masters, steps)
