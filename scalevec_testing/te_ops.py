@@ -172,8 +172,35 @@ def layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
             flat.sum(0).to(gamma.dtype))
 
 
+def scaled_softmax_forward(inputs, scale):
+    """softmax(scale * x) over the last dim, in fp32, returned in the input's dtype (TE's fused
+    softmax for bf16 / fp16 attention scores [b, heads, sq, sk])."""
+    return torch.softmax(inputs.float() * float(scale), -1).to(inputs.dtype)
+
+
+def scaled_masked_softmax_forward(inputs, mask, scale):
+    """As scaled_softmax_forward with ``mask`` (True / 1: masked, [b or 1, 1, sq, sk]) filled
+    with -10000 first, as TE's own torch path (attention_mask_func) does."""
+    scores = (inputs.float() * float(scale)).masked_fill(mask.bool(), -10000.0)
+    return torch.softmax(scores, -1).to(inputs.dtype)
+
+
+def scaled_softmax_backward(output_grads, softmax_results, scale):
+    """d(scale * x) of either forward, from its output y: ``scale * y * (dy - sum(dy * y))``
+    (masked entries have y = 0, so they get none)."""
+    y, dy = softmax_results.float(), output_grads.float()
+    dx = float(scale) * y * (dy - (dy * y).sum(-1, keepdim=True))
+    return dx.to(output_grads.dtype)
+
+
+def scaled_masked_softmax_backward(output_grads, softmax_results, scale):
+    return scaled_softmax_backward(output_grads, softmax_results, scale)
+
+
 FUNCTIONS = (generic_gemm, te_general_grouped_gemm, rmsnorm_fwd, rmsnorm_bwd, layernorm_fwd,
-             layernorm_bwd)
+             layernorm_bwd, scaled_softmax_forward,
+             scaled_softmax_backward, scaled_masked_softmax_forward,
+             scaled_masked_softmax_backward)
 
 
 CALLS: collections.Counter = collections.Counter()  # name -> calls (tests: what TE reached)
