@@ -1,5 +1,5 @@
-"""Host <-> device transfers and syncs of one call (tests/test_host_syncs.py; on a GPU through
-tools/gpu_check.sh): what stalls the CPU's run-ahead on a GPU.
+"""Host <-> device transfers and syncs of one call (tests/layers/test_host_syncs.py; on a GPU
+through tools/gpu_check.sh): what stalls the CPU's run-ahead on a GPU.
 
 :func:`count_host_syncs` runs ``fn`` under a ``TorchDispatchMode`` plus a few patched
 ``torch.Tensor`` methods and counts, per kind:

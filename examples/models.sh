@@ -51,7 +51,7 @@ case "$MODEL" in
     PAR=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
          --expert-model-parallel-size 8)
     SPEC=scalevec_moe ;;
-  tiny)  # CPU smoke test of the launchers (mock data, gloo); what tests/test_launch.py runs
+  tiny)  # CPU smoke test of the launchers (mock data, gloo); what tests/training/test_launch.py runs
     SIZE=(--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2
           --ffn-hidden-size 64 --vocab-size 64)
     SEQ=16; GBS=8; MBS=2; LR=1e-2; MIN_LR=1e-3; ITERS=${ITERS:-8}

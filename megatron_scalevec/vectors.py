@@ -15,7 +15,7 @@ Norms and means run over the whole logical vector even when it is split across r
 A vector's value is always read through the module call, ``vec()`` (a norm: ``norm()`` without
 input, norms.py): hooks registered on the owning module run first. megatron-core's DDP with
 ``overlap_param_gather`` waits there for the all-gather of the module's parameters; reading
-them any other way would use the previous step's values (tests/test_overlap.py).
+them any other way would use the previous step's values (tests/parity/test_overlap.py).
 """
 
 from __future__ import annotations

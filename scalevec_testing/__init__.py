@@ -8,7 +8,8 @@ tests, benchmarks and tools. The stand-ins activate only where :data:`OPT_IN` is
 What several test files share lives here too, because a test file never imports another
 (tests/test_import_cycles.py checks it): ``markers`` (``needs_te``), ``te_compare`` (the TE path
 against the local spec), ``experts`` (the tiny MoE config, layouts and checkpoint rank functions),
-``trainer_flags`` (the tiny trainer command line)."""
+``trainer_flags`` (the tiny trainer command line and its rank function). Shared pytest fixtures
+live in tests/conftest.py (which also says where a new test goes)."""
 
 import os
 

@@ -1,7 +1,8 @@
-"""Tiny MoE models shared by the expert tests (tests/test_grouped.py, test_te_grouped.py,
-test_host_syncs.py): their config, the expert-parallel layouts they all run, and the rank
-functions that save or load any kind of experts and compare saved gradients. Here because a test
-file never imports another (tests/test_import_cycles.py checks it).
+"""Tiny MoE models shared by the expert tests (test_grouped.py, test_te_grouped.py,
+test_host_syncs.py and test_moe*.py in tests/layers/): their config, the expert-parallel layouts
+they all run, and the rank functions that save or load any kind of experts and compare saved
+gradients. Here because a test file never imports another (tests/test_import_cycles.py checks
+it).
 
 Experts come in three kinds (:data:`KINDS`): megatron-core's sequential experts, our local
 grouped experts (layers/grouped.py) and TE's grouped experts (layers/te_grouped.py).
@@ -84,7 +85,7 @@ def rel_diffs(rank, world, a_dir, b_dir):
 def save_or_load(rank, world, kind, expert_vectors="per_expert", *, ep, save_dir=None,
                  load_dir=None):
     """Rank function: build ``kind`` experts (:data:`KINDS`; ``te``: TE grouped,
-    tests/test_te_grouped.py) at EP ``ep``; save with distinct experts per EP rank, or load;
+    tests/layers/test_te_grouped.py) at EP ``ep``; save with distinct experts per EP rank, or load;
     return the eval loss."""
     from scalevec_testing import te_stub
 

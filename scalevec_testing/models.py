@@ -399,6 +399,15 @@ def relative_mismatches(ref: dict, other: dict, *, rtol: float, tiny: float = 2e
     return bad
 
 
+def saved_mismatches(rank, world, ref_dir, out_dir, base_dir, rtol) -> tuple:
+    """Rank function (``run_on_ranks(saved_mismatches, 1, ...)``, shared by the layout tests of
+    dense and MoE models): :func:`relative_mismatches` of the tensors saved in ``out_dir``
+    against ``ref_dir`` (of the updates from ``base_dir`` when given), and the reference's keys."""
+    base = plain_tensors(base_dir) if base_dir else None
+    ref, out = plain_tensors(ref_dir), plain_tensors(out_dir)
+    return relative_mismatches(ref, out, rtol=rtol, base=base), sorted(ref)
+
+
 _SIBLING = {".magnitude": ".direction", ".alpha": ".logit"}
 
 

@@ -1,8 +1,10 @@
 """Comparing the Transformer Engine path with the local spec, inside a forked gloo rank; shared by
-tests/test_te_spec.py, test_te_grouped.py and test_host_syncs.py (a test file never imports
-another, tests/test_import_cycles.py checks it, so what several need lives here).
+test_te_spec.py, test_te_refusals.py, test_te_grouped.py and test_host_syncs.py in tests/layers/
+(a test file never imports another, tests/test_import_cycles.py checks it, so what several need
+lives here).
 
 :func:`start_te` readies a rank for TE's Python (te_stub) and model parallelism;
+:func:`te_model` builds the tiny GPT with TE's layers (:func:`te_moe`: its MoE settings);
 :func:`compare_with_local` runs one forward-backward of a local model and of a TE model holding
 the same weights and reports the loss difference and each gradient's relative difference, by the
 local model's parameter names (:func:`te_name_to_local`).
@@ -19,6 +21,23 @@ def start_te(tp=1, **kw):
     """Activate the TE stand-in (te_stub) and initialize model parallelism in this rank."""
     te_stub.activate()
     init_model_parallel(tp=tp, **kw)
+
+
+def te_moe(experts, grouped=False, **kw) -> dict:
+    """The tiny config's overrides for ``experts`` routed experts (top-2, on the first of two
+    layers, no aux loss; ``grouped``: TE grouped experts) with ``kw``; none when ``experts`` is
+    0."""
+    if not experts:
+        return kw
+    return dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24,
+                moe_layer_freq=[1, 0], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped, **kw)
+
+
+def te_model(strategy, **kw):
+    """The tiny GPT (M.tiny_config with ``kw``) on TE's layers with ``strategy``, built as on a
+    CUDA device (te_stub.cuda_claimed)."""
+    with te_stub.cuda_claimed():
+        return M.build_gpt(M.tiny_config(transformer_impl="transformer_engine", **kw), strategy)
 
 
 def te_name_to_local(name: str) -> str:

@@ -17,7 +17,7 @@ constructors assert ``torch.cuda.is_available()``: :func:`cuda_claimed` answers 
 construction. Where a real TE with its extension is installed, importing this module warns and
 :func:`activate` refuses; a bare TE wheel installed into the environment itself (which would
 break every megatron-core import: its ``except ImportError`` guards miss TE's RuntimeError) is
-hidden from in-process tests by :func:`hide_unusable_te` (tests/conftest.py).
+hidden from in-process tests by :func:`hide_unusable_te` (the repository root's conftest.py).
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ def cuda_claimed():
 def hide_unusable_te() -> bool:
     """TE's wheel without its extension raises RuntimeError on import, which megatron-core's
     ``except ImportError`` guards let through: make it absent (ImportError) instead. Returns
-    whether it hid it. Called by tests/conftest.py; :func:`activate` lifts it."""
+    whether it hid it. Called by the repository root's conftest.py; :func:`activate` lifts it."""
     if real_extension_installed() or "transformer_engine" in sys.modules:
         return False
     present = _installed("transformer_engine")

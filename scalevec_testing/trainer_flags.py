@@ -1,10 +1,13 @@
-"""Trainer command lines shared by the end-to-end tests (tests/test_trainer.py, test_faults.py,
-test_first_hour.py, test_run_reports.py), here because a test file never imports another
+"""Trainer command lines shared by the end-to-end tests (test_trainer.py, test_faults.py,
+test_first_hour.py and test_run_reports.py in tests/training/, and
+tests/convert/test_convert_trainer.py), here because a test file never imports another
 (tests/test_import_cycles.py checks it).
 
 ``TINY``: the smallest dense run of pretrain_gpt.py / the trainer on mock data (2 layers, hidden
 32, 16 tokens, 8 sequences a step), quiet and without plots; tests append the iterations,
-directories and flags they check.
+directories and flags they check. ``OVR``: resuming with a longer ``--train-iters`` changes the
+LR schedule, this flag says which applies. :func:`run_trainer`: the trainer's ``main`` as a rank
+function of ``run_on_ranks``.
 """
 
 TINY = ["--mock-data", "--spec", "scalevec_dense", "--num-layers", "2", "--hidden-size", "32",
@@ -12,3 +15,11 @@ TINY = ["--mock-data", "--spec", "scalevec_dense", "--num-layers", "2", "--hidde
         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--vocab-size", "64", "--lr", "1e-2", "--min-lr", "1e-3", "--log-interval", "2",
         "--eval-interval", "0", "--quiet", "--no-plot"]
+OVR = "--override-opt_param-scheduler"
+
+
+def run_trainer(rank, world, argv):
+    """``run_on_ranks(run_trainer, world, argv)``: the trainer on ``argv`` in each forked rank."""
+    from megatron_scalevec.training.trainer import main
+
+    return main(argv)

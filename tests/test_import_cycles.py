@@ -1,6 +1,7 @@
 """No import cycles in the package, counted with function-local imports (tools/import_cycles.py),
-and no test file imports another test module (helpers that several test files share live in
-scalevec_testing/, markers included: scalevec_testing/markers.py).
+and no test file imports another test module, in any directory of the suites (fixtures that
+several test files share live in tests/conftest.py, functions in scalevec_testing/, markers
+included: scalevec_testing/markers.py).
 
 Each checker is itself tested on a small tree with the import hidden inside a function, so a
 checker that skipped function bodies (or relative imports) would fail here, not pass silently.
@@ -40,19 +41,20 @@ TEST_DIRS = ("tests", "benchmarks/tests", "evidence/tests")
 
 
 def _test_files(root: str) -> list:
-    """Every test_*.py under the suites' directories (pyproject's testpaths), recursively."""
+    """Every test_*.py and conftest.py under the suites' directories (pyproject's testpaths),
+    in every subdirectory (tests/layers/, tests/parity/, ...)."""
     found = []
     for top in TEST_DIRS:
         for dirpath, _, names in os.walk(os.path.join(root, top)):
             found += [os.path.join(dirpath, n) for n in names
-                      if n.startswith("test_") and n.endswith(".py")]
+                      if n == "conftest.py" or (n.startswith("test_") and n.endswith(".py"))]
     return sorted(found)
 
 
 def imports_of_test_modules(root: str) -> list:
     """``file:line imports name`` for each import (anywhere in the file, function bodies
     included) of a test module -- another test_*.py of the suites, a conftest, or a ``tests``
-    package -- in a test file under ``root``."""
+    package -- in a test file or conftest under ``root``."""
     files = _test_files(root)
     test_modules = {os.path.basename(f)[:-3] for f in files} | {"conftest", "tests"}
     found = []
@@ -76,13 +78,18 @@ def imports_of_test_modules(root: str) -> list:
 
 def test_no_test_file_imports_another_test_module():
     found = imports_of_test_modules(ROOT)
-    assert found == [], "move what they share to scalevec_testing/:\n" + "\n".join(found)
+    assert found == [], ("move what they share to tests/conftest.py (fixtures) or to "
+                         "scalevec_testing/ (functions):\n" + "\n".join(found))
 
 
 def test_checker_sees_every_form_of_test_module_import(tmp_path):
     files = {
         "tests/test_a.py": "import os\nfrom scalevec_testing import models\n",
-        "tests/sub/test_b.py": "def f():\n    from test_a import X\n",
+        "tests/layers/__init__.py": "",
+        "tests/layers/test_b.py": "def f():\n    from test_a import X\n",
+        "tests/layers/test_k.py": "from megatron_scalevec.layers import fused\n",
+        "tests/parity/test_i.py": "from ..layers import test_b\nfrom .. import conftest\n",
+        "tests/conftest.py": "import pytest\nfrom tests.layers.test_k import F\n",
         "tests/test_c.py": "class K:\n    def g(self):\n        import tests.test_a\n",
         "tests/test_d.py": "from . import test_a\n",
         "tests/test_e.py": "from conftest import needs_te\n",
@@ -96,7 +103,10 @@ def test_checker_sees_every_form_of_test_module_import(tmp_path):
     assert imports_of_test_modules(str(tmp_path)) == [
         "benchmarks/tests/test_f.py:1 imports benchmarks.tests.test_g",
         "evidence/tests/test_h.py:1 imports test_b",
-        "tests/sub/test_b.py:2 imports test_a",
+        "tests/conftest.py:2 imports tests.layers.test_k",
+        "tests/layers/test_b.py:2 imports test_a",
+        "tests/parity/test_i.py:1 imports layers.test_b",
+        "tests/parity/test_i.py:2 imports conftest",
         "tests/test_c.py:3 imports tests.test_a",
         "tests/test_d.py:1 imports test_a",
         "tests/test_e.py:1 imports conftest",

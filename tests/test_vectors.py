@@ -135,7 +135,7 @@ def test_stacked_equals_one_by_one():
 
 def test_values_are_read_through_the_module_call():
     """gamma, its parts and a norm's vector go through ``__call__``, where megatron-core's
-    DDP hooks wait for an overlapped parameter all-gather (tests/test_overlap.py)."""
+    DDP hooks wait for an overlapped parameter all-gather (tests/parity/test_overlap.py)."""
     from types import SimpleNamespace
 
     from megatron_scalevec.config import ScaleVecConfig

@@ -3,7 +3,7 @@
 TE's ``Linear``, ``LayerNormLinear`` and ``GroupedLinear`` obtain their weights through
 ``_get_weight_tensors()``, a private method (TE has no public hook that transforms a weight
 before its GEMM; checked on TE 2.11.0 with megatron-core 0.16.1 and 2.17.1 with 0.19.2 by
-tests/test_te_spec.py and tests/test_te_grouped.py; ``../shared/TE_NOTES.md``): we return
+tests/layers/test_te_spec.py and test_te_grouped.py; ``../shared/TE_NOTES.md``): we return
 ``diag(a) W diag(gamma)`` there, a non-leaf that gets correct gradients and is quantized by the
 module's own FP8 weight quantizer. So the fused QKV / fc1 GEMM runs once, and TE's fused norm
 (and its fused FP8 cast) is kept:
@@ -22,10 +22,10 @@ the module's own call. TE keeps the weight it is given for its backward (and pin
 place right before its backward (``fold.FoldedWeights``), so nothing weight-sized is kept per
 micro-batch in flight, as on the local path.
 Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
-megatron-core's real TE wrappers: tests/test_te_spec.py, on CPU through the test-only stand-in
-for TE's compiled extension (scalevec_testing/te_stub.py, te_ops.py), TE's own fp32 and bf16
-forward and backward included; FP8 (delayed and current scaling) through TE's own FP8 Python in
-tests/test_te_fp8.py; on a CUDA machine with TE, tools/te_check.py.
+megatron-core's real TE wrappers: tests/layers/test_te_spec.py, on CPU through the test-only
+stand-in for TE's compiled extension (scalevec_testing/te_stub.py, te_ops.py), TE's own fp32 and
+bf16 forward and backward included; FP8 (delayed and current scaling) through TE's own FP8 Python in
+tests/layers/test_te_fp8.py; on a CUDA machine with TE, tools/te_check.py.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ _CACHE: dict = {}
 
 # (config attribute, why a folded module cannot run with it). TransformerConfig fields in
 # megatron-core 0.16.1 and 0.19.2: delay_wgrad_compute, fp8_param; moe_single_grouped_weight
-# and use_transformer_engine_op_fuser from 0.19 (tests/test_te_spec.py checks each).
+# and use_transformer_engine_op_fuser from 0.19 (tests/layers/test_te_spec.py checks each).
 # use_te_op_fuser is a spec-builder argument (our specs never build TEFusedMLP) and
 # use_megatron_fsdp / use_custom_fsdp are DDP-config fields: read here only if a caller sets
 # them on the TransformerConfig.

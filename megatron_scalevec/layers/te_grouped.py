@@ -21,7 +21,7 @@ are zero (``N(0) = 0``) and carry probability 0, so they change nothing.
 Checkpoints use the sequential experts' keys (``experts.linear_fc1.scale_in...``,
 ``experts.gate_norm...``, ``shared_vectors...``) at global expert ids: they move between
 sequential, local grouped and TE grouped experts. Tested on CPU through TE's own autograd
-functions (tests/test_te_grouped.py, scalevec_testing/te_stub.py).
+functions (tests/layers/test_te_grouped.py, scalevec_testing/te_stub.py).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def make_grouped_mlp_class(base):
             megatron-core's TEGroupedMLP internals ``quantization_padding`` /
             ``quantization_unpadding``, ``activation_recompute``, the private ``_apply_bias``
             and ``moe_utils.skip_routed_expert_padding`` (0.19); present in 0.16.1 and 0.19.2,
-            run there by tests/test_te_grouped.py except the FP8 padding (GPU only)."""
+            run there by tests/layers/test_te_grouped.py except the FP8 padding (GPU only)."""
             cfg = self.config
             counts = tokens_per_expert.tolist()
             probs = probs.unsqueeze(-1)

@@ -47,7 +47,7 @@ def transformer_config(args, vocab_size):
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         # As Megatron-LM under VPP: p2p unbatched. Batched, the interleaved schedule at PP2
         # sends an activation and a gradient to the one peer in one batch_isend_irecv, and
-        # gloo matches the two same-shaped messages crosswise (tests/test_layouts.py).
+        # gloo matches the two same-shaped messages crosswise (tests/parity/test_layouts.py).
         batch_p2p_comm=not args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,

@@ -15,7 +15,7 @@ import pytest
 from scalevec_testing import run_on_ranks
 from scalevec_testing.trainer_flags import TINY
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 CONVERT = os.path.join(ROOT, "tools", "convert_checkpoint.py")

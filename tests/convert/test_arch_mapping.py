@@ -1,4 +1,4 @@
-"""One mapping between a megatron-core TransformerConfig and our ModelArch (issue 39):
+"""One mapping between a megatron-core TransformerConfig and our ModelArch:
 ``ModelArch.config_kwargs`` / ``model_kwargs`` / ``from_config`` against expectations written
 out field by field, dense and MoE (every MoE field off its default, so dropping one fails),
 and the three users: our converter's config, the trainer's flags, a Bridge provider."""

@@ -5,8 +5,8 @@ checkpoint keys; every strategy's ``_get_weight_tensors()`` fold and its gradien
 path's; HG's fused norm weight is a frozen identity outside the checkpoint; checkpoints move between
 the TE and the local spec exactly; and TE's own fp32 and bf16 forward and backward (its autograd
 functions over scalevec_testing/te_ops.py's torch GEMMs and norms) give the local spec's loss and
-every gradient. Refusals: tests/test_te_refusals.py. FP8: tests/test_te_fp8.py (TE's FP8 Python on
-CPU) and tools/te_check.py on a GPU.
+every gradient. Refusals: tests/layers/test_te_refusals.py. FP8: tests/layers/test_te_fp8.py
+(TE's FP8 Python on CPU) and tools/te_check.py on a GPU.
 """
 
 import os
@@ -18,27 +18,9 @@ from megatron_scalevec.layers import te
 from scalevec_testing import models as M
 from scalevec_testing import run_on_ranks, te_stub
 from scalevec_testing.markers import needs_te
-from scalevec_testing.te_compare import compare_with_local, start_te
+from scalevec_testing.te_compare import compare_with_local, start_te, te_model, te_moe
 
 STRATEGIES = ["shared", "hg", "hg+dp", "hg+or", "hg+er", "hg+dnp", "unified"]
-
-
-def _cfg(name, **kw):
-    from megatron_scalevec.config import ScaleVecConfig
-
-    return ScaleVecConfig.from_string(name, **kw)
-
-
-def _moe(experts, grouped=False, **kw):
-    if not experts:
-        return kw
-    return dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24,
-                moe_layer_freq=[1, 0], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped, **kw)
-
-
-def _te_model(strategy, **kw):
-    with te_stub.cuda_claimed():
-        return M.build_gpt(M.tiny_config(transformer_impl="transformer_engine", **kw), strategy)
 
 
 # ---------------------------------------------------------------- layout and stock keys
@@ -94,13 +76,13 @@ def _stock_vs_shared(rank, world, experts, grouped, tp):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    kw = _moe(experts, grouped, sequence_parallel=tp > 1)
+    kw = te_moe(experts, grouped, sequence_parallel=tp > 1)
     config = M.tiny_config(transformer_impl="transformer_engine", **kw)
     with te_stub.cuda_claimed():
         stock = GPTModel(config, get_gpt_decoder_block_spec(config, use_transformer_engine=True),
                          vocab_size=M.VOCAB, max_sequence_length=M.SEQ,
                          position_embedding_type="rope")
-    ours = _te_model("shared", **kw)
+    ours = te_model("shared", **kw)
 
     def describe(m):
         params = {n: tuple(p.shape) for n, p in m.named_parameters()}
@@ -131,13 +113,13 @@ def _fold_vs_local(rank, world, strategy, experts, grouped, zero_centered, tp, t
     from megatron.core import dist_checkpointing
 
     start_te(tp)
-    kw = dict(_moe(experts), sequence_parallel=tp > 1,
+    kw = dict(te_moe(experts), sequence_parallel=tp > 1,
               layernorm_zero_centered_gamma=zero_centered)
     local = M.build_gpt(M.tiny_config(**kw), strategy)  # sequential experts
     M.perturb_vectors(local)
     local_dir, te_dir = os.path.join(tmp, "local"), os.path.join(tmp, "te")
     M.save_model(local, local_dir)
-    model = _te_model(strategy, **{**kw, "moe_grouped_gemm": grouped})
+    model = te_model(strategy, **{**kw, "moe_grouped_gemm": grouped})
     # local checkpoint -> TE model
     state = dist_checkpointing.load(M.te_as_local_keys(model.sharded_state_dict()), local_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -250,11 +232,11 @@ def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp, extra=None):
     from megatron.core import dist_checkpointing
 
     start_te(tp)
-    kw = dict(_moe(experts), sequence_parallel=tp > 1, **(extra or {}))
+    kw = dict(te_moe(experts), sequence_parallel=tp > 1, **(extra or {}))
     local = M.build_gpt(M.tiny_config(**kw), strategy)
     M.perturb_vectors(local)
     M.save_model(local, os.path.join(tmp, "local"))
-    model = _te_model(strategy, **{**kw, "moe_grouped_gemm": grouped})
+    model = te_model(strategy, **{**kw, "moe_grouped_gemm": grouped})
     state = dist_checkpointing.load(M.te_as_local_keys(model.sharded_state_dict()),
                                     os.path.join(tmp, "local"))
     model.load_state_dict(state, strict=False)

@@ -24,16 +24,10 @@ def _case(rank, world, strategy, *, tp=1, pp=1, sp=False, dist_opt=False, config
                       dist_opt=dist_opt, **kw)
 
 
-def _mismatches(rank, world, ref_dir, out_dir, base_dir, rtol):
-    base = M.plain_tensors(base_dir) if base_dir else None
-    ref, out = M.plain_tensors(ref_dir), M.plain_tensors(out_dir)
-    return M.relative_mismatches(ref, out, rtol=rtol, base=base), sorted(ref)
-
-
 def compare(ref_dir, out_dir, base_dir=None, rtol=RTOL):
     """(mismatching keys, all keys): gradients, or updates when ``base_dir`` holds the weights
     the steps started from."""
-    return run_on_ranks(_mismatches, 1, ref_dir, out_dir, base_dir, rtol)[0]
+    return run_on_ranks(M.saved_mismatches, 1, ref_dir, out_dir, base_dir, rtol)[0]
 
 
 LAYOUTS = {

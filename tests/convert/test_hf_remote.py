@@ -22,15 +22,6 @@ MOE_BF16_REL = 0.1
 MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24)
 
 
-@pytest.fixture(scope="module")
-def spm_model(tmp_path_factory):
-    from megatron_scalevec.training import data
-
-    cache = str(tmp_path_factory.mktemp("tok"))
-    corpus = data.embedded_corpus(cache, max_bytes=200_000, chunk_bytes=4096)
-    return data.train_tokenizer(corpus, os.path.join(cache, "spm"), vocab_size=600)
-
-
 def _arch(**kw):
     from megatron_scalevec.convert.arch import ModelArch
 
@@ -47,7 +38,7 @@ def _convert_cli(src, out, dtype_name, tokenizer):
     import io
     import json
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
     spec = iu.spec_from_file_location("cc", os.path.join(root, "tools", "convert_checkpoint.py"))
     cli = iu.module_from_spec(spec)
     spec.loader.exec_module(cli)

@@ -12,21 +12,13 @@ import pytest
 
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
 from scalevec_testing.distributed import RankError, run_on_ranks
-from scalevec_testing.trainer_flags import TINY
+from scalevec_testing.trainer_flags import OVR, TINY, run_trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# resuming with a longer --train-iters changes the LR schedule: say which applies
-OVR = "--override-opt_param-scheduler"
-
-
-def _main(rank, world, argv):
-    from megatron_scalevec.training.trainer import main
-
-    return main(argv)
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 
 
 def _run(world, *flags, run_dir):
-    return run_on_ranks(_main, world, TINY + ["--run-dir", str(run_dir)] + list(flags),
+    return run_on_ranks(run_trainer, world, TINY + ["--run-dir", str(run_dir)] + list(flags),
                         timeout=180)[0]
 
 
@@ -169,8 +161,8 @@ def test_torchrun_two_processes(tmp_path):
 
 def test_virtual_pipeline_uses_unbatched_p2p(tmp_path):
     """Under VPP the trainer, as Megatron-LM, sends p2p unbatched: batched, interleaved PP2
-    crosses an activation and a gradient on gloo (tests/test_layouts.py shows the wrong loss);
-    PP2 x VPP2 then trains."""
+    crosses an activation and a gradient on gloo (tests/parity/test_layouts.py shows the wrong
+    loss); PP2 x VPP2 then trains."""
     from megatron_scalevec.training.build import transformer_config
 
     pp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]

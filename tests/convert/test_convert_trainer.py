@@ -9,8 +9,9 @@ import os
 import pytest
 
 from scalevec_testing import run_on_ranks
+from scalevec_testing.trainer_flags import run_trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 TOL = 1e-5
 HF_TOL = 1e-4
 MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
@@ -33,22 +34,14 @@ FROZEN = ["--lr", "1e-30", "--min-lr", "1e-31"]  # updates below fp32 resolution
 
 
 @pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """A SentencePiece model and an indexed dataset made from a small slice of the corpus."""
-    from megatron_scalevec.training import data
+def tiny_data(tmp_path_factory, small_corpus, spm_model):
+    """The SentencePiece model and an indexed dataset made from a small slice of the corpus
+    (tests/conftest.py)."""
     from megatron_scalevec.training.preprocess import preprocess
 
     cache = str(tmp_path_factory.mktemp("data"))
-    corpus = data.embedded_corpus(cache, max_bytes=200_000, chunk_bytes=4096)
-    tok = data.train_tokenizer(corpus, os.path.join(cache, "spm"), vocab_size=600)
-    preprocess([corpus], os.path.join(cache, "c"), tok, progress=False)
-    return os.path.join(cache, "c_text_document"), tok
-
-
-def _train(rank, world, argv):
-    from megatron_scalevec.training.trainer import main
-
-    return main(argv)
+    preprocess([small_corpus], os.path.join(cache, "c"), spm_model, progress=False)
+    return os.path.join(cache, "c_text_document"), spm_model
 
 
 def _convert(rank, world, *args, **kw):
@@ -93,8 +86,8 @@ def test_trainer_converter_round_trip(tmp_path, tiny_data):
     data = ["--data-path", prefix, "--tokenizer-model", tok]
     t = str(tmp_path)
     j = functools.partial(os.path.join, t)
-    run_on_ranks(_train, 1, TRAIN + data + ["--scalevec", "shared", "--train-iters", "3",
-                                            "--save", j("ck1"), "--run-dir", j("r1")])
+    run_on_ranks(run_trainer, 1, TRAIN + data + ["--scalevec", "shared", "--train-iters", "3",
+                                                 "--save", j("ck1"), "--run-dir", j("r1")])
     assert sorted(f for f in os.listdir(j("ck1", "iter_0000003")) if not f.endswith(
         ("distcp", ".pt", "metadata"))) == ["metadata.json", "scalevec_arch.json",
                                             "scalevec_manifest.json", "tokenizer.model"]
@@ -105,14 +98,14 @@ def test_trainer_converter_round_trip(tmp_path, tiny_data):
                         allow_function_change=True)[0]
     assert warm["target"] == "hg+dnp+or+iwd" and os.path.isfile(j("ws", "tokenizer.model"))
     # weights only, at another layout: the trainer's TP=2 checkpoint equals the converter's
-    run_on_ranks(_train, 2, TRAIN + data + FROZEN + [
+    run_on_ranks(run_trainer, 2, TRAIN + data + FROZEN + [
         "--train-iters", "2", "--tensor-model-parallel-size", "2", "--pretrained-checkpoint",
         j("ws"), "--load", j("ck2"), "--save", j("ck2"), "--run-dir", j("r2")])
     assert open(j("ck2", "latest")).read().strip() == "2"  # iteration reset to 0, +2
     (ws_sd, _), (ck2_sd, strategy) = (run_on_ranks(_read, 1, j(p))[0] for p in ("ws", "ck2"))
     assert strategy == "hg+dnp+or+iwd" and _max_diff(ws_sd, ck2_sd) == 0.0
     # continue training from the warm start, then export the trained unified model
-    losses = run_on_ranks(_train, 1, TRAIN + data + [
+    losses = run_on_ranks(run_trainer, 1, TRAIN + data + [
         "--train-iters", "4", "--pretrained-checkpoint", j("ws"), "--save", j("ck3"),
         "--run-dir", j("r3")])[0]
     assert len(losses) == 4
@@ -154,7 +147,7 @@ def test_trained_moe_unified_exports_to_hf(tmp_path, tiny_data):
     prefix, tok = tiny_data
     j = functools.partial(os.path.join, str(tmp_path))
     moe = ["--spec", "scalevec_moe", "--num-experts", "4", "--moe-ffn-hidden-size", "32"]
-    run_on_ranks(_train, 1, TRAIN[2:] + moe + [
+    run_on_ranks(run_trainer, 1, TRAIN[2:] + moe + [
         "--data-path", prefix, "--tokenizer-model", tok, "--scalevec", "unified",
         "--train-iters", "3", "--save", j("ck"), "--run-dir", j("r")])
     rc, hf = run_on_ranks(_cli_json, 1, ["--load", j("ck"), "--to", "hf", "--save",
@@ -194,7 +187,7 @@ def test_pretrained_full_checkpoint_loads_at_ep2_tp2(tmp_path):
                          ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                          ("bf16", ["--bf16", "--use-distributed-optimizer"])):
         out = str(tmp_path / name)
-        run_on_ranks(_train, 2, MOCK + MOE_RUN + FROZEN + layout + [
+        run_on_ranks(run_trainer, 2, MOCK + MOE_RUN + FROZEN + layout + [
             "--moe-aux-loss-coeff", "0", "--pretrained-checkpoint", str(tmp_path / "src"),
             "--save", out, "--run-dir", out + "_run"])
         sd, _ = run_on_ranks(_read, 1, out)[0]
@@ -233,9 +226,9 @@ def test_finetune_loads_weights_only(tmp_path):
     the weights arrive unchanged (frozen run)."""
     dense = MOCK + ["--spec", "scalevec_dense", "--train-iters"]
     ck, ft = str(tmp_path / "ck"), str(tmp_path / "ft")
-    run_on_ranks(_train, 1, dense + ["2", "--save", ck, "--run-dir", ck + "_r"])
-    losses = run_on_ranks(_train, 1, dense + ["2", "--finetune", "--load", ck, "--save", ft,
-                                              "--run-dir", ft + "_r"] + FROZEN)[0]
+    run_on_ranks(run_trainer, 1, dense + ["2", "--save", ck, "--run-dir", ck + "_r"])
+    losses = run_on_ranks(run_trainer, 1, dense + ["2", "--finetune", "--load", ck, "--save", ft,
+                                                   "--run-dir", ft + "_r"] + FROZEN)[0]
     assert len(losses) == 2 and open(os.path.join(ft, "latest")).read().strip() == "2"
     (a, _), (b, _) = (run_on_ranks(_read, 1, p)[0] for p in (ck, ft))
     assert _max_diff(a, b) == 0.0

@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from scalevec_testing import run_on_ranks
-from scalevec_testing.trainer_flags import TINY
+from scalevec_testing.trainer_flags import TINY, run_trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 
 MOE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
        "--num-attention-heads", "4", "--seq-length", "16", "--sequence-parallel"]
@@ -64,12 +64,6 @@ def test_decay_table_states_what_each_rule_applies():
     assert iwd["output_vectors"] == iwd["input_directions"] == 0.0, iwd
 
 
-def _main(rank, world, argv):
-    from megatron_scalevec.training.trainer import main
-
-    return main(argv)
-
-
 def _iterations(run) -> list:
     with open(run / "metrics.jsonl") as f:
         return [r["iteration"] for r in map(json.loads, f) if "loss" in r]
@@ -79,13 +73,13 @@ def test_metrics_continue_from_the_checkpoint_after_a_resume(tmp_path):
     ck, run = tmp_path / "ck", tmp_path / "run"
     flags = TINY + ["--log-interval", "1", "--run-dir", str(run), "--save", str(ck),
                     "--train-iters", "4"]
-    run_on_ranks(_main, 1, flags + ["--save-interval", "2"], timeout=180)
+    run_on_ranks(run_trainer, 1, flags + ["--save-interval", "2"], timeout=180)
     assert _iterations(run) == [1, 2, 3, 4]
     (ck / "latest").write_text("2")  # as if killed after the checkpoint of iteration 2
     shutil.rmtree(ck / "iter_0000004")
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"iteration": 5, "lo')  # and mid-write
-    run_on_ranks(_main, 1, flags + ["--load", str(ck)], timeout=180)
+    run_on_ranks(run_trainer, 1, flags + ["--load", str(ck)], timeout=180)
     assert _iterations(run) == [1, 2, 3, 4], _iterations(run)
 
 

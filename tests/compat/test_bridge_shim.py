@@ -37,7 +37,7 @@ print("OK", len(placeholders))
 
 def test_bridge_imported_before_the_cpu_layer():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        [os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")),
          os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", _BRIDGE_FIRST], env=env, capture_output=True,
                          text=True, timeout=300)

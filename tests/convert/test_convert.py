@@ -1,5 +1,5 @@
 """Checkpoint conversion (tools/convert_checkpoint.py): warm start, exact fold, Hugging Face,
-refusals, layouts (the trainer <-> converter round trips: tests/test_convert_trainer.py).
+refusals, layouts (the trainer <-> converter round trips: tests/convert/test_convert_trainer.py).
 
 Every case runs in a forked one-rank (or two-rank) gloo child (run_on_ranks), so this file
 never leaves a process group in the pytest parent. Tolerances: fp32 logits of tiny models.
@@ -14,7 +14,7 @@ from scalevec_testing import run_on_ranks
 
 TOL = 1e-5
 HF_TOL = 1e-4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 
 
 def _arch(**kw):

@@ -1,12 +1,12 @@
 """MoE with scale vectors: parity with megatron-core's MoE layer, layout invariance (EP, ETP,
 TP+SP, PP with mixed dense/MoE layers, distributed optimizer), checkpoint resharding across
 EP, per-expert and shared expert vectors (router options and the parameter count:
-tests/test_moe_options.py).
+tests/layers/test_moe_options.py).
 
-Layout runs reuse the harness of test_layouts: reference weights (vectors perturbed away from 1)
-are saved once at one process, loaded at each layout through dist_checkpointing, and the
-gradients (after megatron-core's DDP and finalize_model_grads) saved and read back as full
-tensors, so expert tensors are compared at their global expert ids.
+Layout runs reuse the harness of tests/parity/test_layouts.py: reference weights (vectors
+perturbed away from 1) are saved once at one process, loaded at each layout through
+dist_checkpointing, and the gradients (after megatron-core's DDP and finalize_model_grads) saved
+and read back as full tensors, so expert tensors are compared at their global expert ids.
 """
 
 import pytest
@@ -14,7 +14,7 @@ import torch
 
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
-from scalevec_testing.experts import EXPERTS, build_stock_moe, moe_config
+from scalevec_testing.experts import EXPERTS, build_stock_moe, moe_config, strategy_config
 
 LOSS_TOL = 2e-5
 RTOL = 1e-4  # relative to each tensor's own scale (M.relative_mismatches)
@@ -148,13 +148,7 @@ def reference(references):
 
 def _compare(ref_dir, out_dir, base_dir=None, rtol=RTOL):
     """(mismatching keys, all keys), tolerance relative to each tensor (updates if base_dir)."""
-    return run_on_ranks(_mismatches, 1, ref_dir, out_dir, base_dir, rtol)[0]
-
-
-def _mismatches(rank, world, ref_dir, out_dir, base_dir, rtol):
-    base = M.plain_tensors(base_dir) if base_dir else None
-    ref, out = M.plain_tensors(ref_dir), M.plain_tensors(out_dir)
-    return M.relative_mismatches(ref, out, rtol=rtol, base=base), sorted(ref)
+    return run_on_ranks(M.saved_mismatches, 1, ref_dir, out_dir, base_dir, rtol)[0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -284,12 +278,6 @@ def test_checkpoint_ep2_loads_at_ep1_with_identical_outputs(tmp_path):
 # ---------------------------------------------------------------- expert_vectors="shared"
 # One set of expert-side vectors per MoE layer, used by every routed expert (layers/moe.py,
 # ExpertSharedVectors): same checks as above, at the layouts that exercise its reduction.
-def _shared(strategy):
-    from megatron_scalevec.config import ScaleVecConfig
-
-    return ScaleVecConfig.from_string(strategy, expert_vectors="shared")
-
-
 def _check_shared_expert_vectors(model, ep):
     """Owned once per layer by the experts module, EP/expert-TP groups, expert allreduce."""
     from megatron.core import parallel_state as ps
@@ -316,13 +304,13 @@ def test_shared_expert_vectors_config():
     from megatron_scalevec.config import ScaleVecConfig
 
     assert ScaleVecConfig().expert_vectors == "per_expert"
-    assert _shared("unified").expert_vectors == "shared"
+    assert strategy_config("unified", "shared").expert_vectors == "shared"
     with pytest.raises(ValueError, match="expert_vectors"):
         ScaleVecConfig.from_string("unified", expert_vectors="per_layer")
 
 
 def test_shared_expert_vectors_init_equals_megatron_moe_layer():
-    strategies = [_shared("hg+dp+or"), _shared("hg+er")]
+    strategies = [strategy_config("hg+dp+or", "shared"), strategy_config("hg+er", "shared")]
     res = run_on_ranks(_parity, 1, strategies, 40)[0]
     for strategy, (dloss, worst, n_common, n_vec, names) in res.items():
         assert abs(dloss) < 1e-5 and worst < 1e-5, (strategy, dloss, worst)
@@ -356,9 +344,9 @@ def test_shared_expert_vectors_match_across_layouts(references, tmp_path, layout
 
 
 def test_shared_expert_vectors_checkpoint_ep2_loads_at_ep1(tmp_path):
-    saved = str(tmp_path / "ep2")
-    at_ep2 = run_on_ranks(_reshard, 2, ep=2, save_dir=saved, strategy=_shared("unified"))
-    at_ep1 = run_on_ranks(_reshard, 1, ep=1, load_dir=saved, strategy=_shared("unified"))[0]
+    saved, strategy = str(tmp_path / "ep2"), strategy_config("unified", "shared")
+    at_ep2 = run_on_ranks(_reshard, 2, ep=2, save_dir=saved, strategy=strategy)
+    at_ep1 = run_on_ranks(_reshard, 1, ep=1, load_dir=saved, strategy=strategy)[0]
     assert at_ep2[0][0] == at_ep2[1][0]
     assert at_ep1[0] == pytest.approx(at_ep2[0][0], abs=1e-6)
     # saved once per layer: [layers, h], no expert axis, no per-expert copy

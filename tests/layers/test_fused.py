@@ -263,7 +263,7 @@ def test_kernel_benchmark_prints_every_kernel_and_ratio(capsys):
     import importlib.util as iu  # noqa: PLC0415
     import os  # noqa: PLC0415
 
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernels.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "kernels.py")
     spec = iu.spec_from_file_location("bench_kernels", path)
     tool = iu.module_from_spec(spec)
     spec.loader.exec_module(tool)

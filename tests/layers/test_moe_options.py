@@ -7,7 +7,7 @@ import torch
 
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
-from scalevec_testing.experts import EXPERTS, build_stock_moe, moe_config
+from scalevec_testing.experts import EXPERTS, build_stock_moe, moe_config, strategy_config
 
 
 # ---------------------------------------------------------------- options and guards
@@ -64,7 +64,7 @@ def test_router_vector_folded_in_router_dtype():
 
 
 def test_grouped_gemm_spec():
-    """grouped_gemm=True builds our grouped experts (tests/test_grouped.py checks them)."""
+    """grouped_gemm=True builds our grouped experts (tests/layers/test_grouped.py checks them)."""
     from megatron_scalevec.config import ScaleVecConfig
     from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP
     from megatron_scalevec.specs import moe_spec
@@ -115,25 +115,19 @@ def test_parameter_count_formula_and_reference_overhead():
     assert ratio < bound, (ratio, bound)
 
 
-def _shared(strategy):
-    from megatron_scalevec.config import ScaleVecConfig
-
-    return ScaleVecConfig.from_string(strategy, expert_vectors="shared")
-
-
 def test_shared_expert_vectors_parameter_count_and_reference_overhead():
     from megatron_scalevec.layers.moe import moe_model_parameters, moe_new_parameters
 
-    strategies = [_shared(s) for s in ("unified", "hg+dp+er", "hg")]
+    strategies = [strategy_config(s, "shared") for s in ("unified", "hg+dp+er", "hg")]
     _, new = run_on_ranks(_count, 1, strategies)[0]
     for cfg in strategies:
         assert moe_new_parameters(cfg, **COUNT_SHAPE)["total"] == new[cfg], cfg
     ref = dict(num_layers=24, hidden=1024, heads=16, query_groups=4, head_dim=64, ffn=4096,
                num_experts=64, moe_ffn=384, shared_ffn=0)
     total = moe_model_parameters(vocab=128256, **ref)["total"]
-    per_expert = moe_new_parameters(_shared("unified").replace(expert_vectors="per_expert"),
-                                    **ref)["total"]
-    parts = moe_new_parameters(_shared("unified"), **ref)
+    shared = strategy_config("unified", "shared")
+    per_expert = moe_new_parameters(shared.replace(expert_vectors="per_expert"), **ref)["total"]
+    parts = moe_new_parameters(shared, **ref)
     ratio = parts["total"] / total
     print(f"\nreference MoE: {total / 1e9:.3f}B params; unified adds {per_expert:,} per expert "
           f"({per_expert / total:.3e}), {parts['total']:,} shared ({ratio:.3e}): {parts}")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 BIN = os.path.dirname(sys.executable)
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "torchrun")),
                                 reason="no torchrun beside this python")

@@ -18,23 +18,14 @@ import torch
 
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
 from scalevec_testing.distributed import RankError, run_on_ranks
-from scalevec_testing.trainer_flags import TINY
+from scalevec_testing.trainer_flags import OVR, TINY, run_trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# resuming with a longer --train-iters changes the LR schedule: say which applies
-OVR = "--override-opt_param-scheduler"
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 
-def _main(rank, world, argv):
-    from megatron_scalevec.training.trainer import main
-
-    return main(argv)
-
-
 def _run(*flags, run_dir, world=1):
-    return run_on_ranks(_main, world, TINY + ["--run-dir", str(run_dir)] + list(flags),
+    return run_on_ranks(run_trainer, world, TINY + ["--run-dir", str(run_dir)] + list(flags),
                         timeout=180)[0]
 
 

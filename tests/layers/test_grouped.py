@@ -2,9 +2,10 @@
 checkpoint keys, same outputs, loss and every gradient (relative to each tensor's scale), in
 one process for every strategy and at EP2, expert TP2 and with the alltoall dispatcher.
 
-Layout runs reuse test_moe's harness: the sequential model at one process is the reference
-(weights with perturbed vectors saved through dist_checkpointing); the grouped model loads that
-checkpoint at each layout, so checkpoint interchange is exercised by every layout test. The MoE
+Layout runs reuse the harness of tests/layers/test_moe.py: the sequential model at one process
+is the reference (weights with perturbed vectors saved through dist_checkpointing); the grouped
+model loads that checkpoint at each layout, so checkpoint interchange is exercised by every
+layout test. The MoE
 config, layouts and checkpoint rank functions are shared with the TE grouped tests
 (scalevec_testing/experts.py).
 """

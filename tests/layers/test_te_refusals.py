@@ -13,25 +13,13 @@ from megatron_scalevec.layers import te
 from scalevec_testing import models as M
 from scalevec_testing import run_on_ranks, te_stub
 from scalevec_testing.markers import needs_te
-from scalevec_testing.te_compare import start_te
+from scalevec_testing.te_compare import start_te, te_model, te_moe
 
 
 def _cfg(name, **kw):
     from megatron_scalevec.config import ScaleVecConfig
 
     return ScaleVecConfig.from_string(name, **kw)
-
-
-def _moe(experts, grouped=False):
-    if not experts:
-        return {}
-    return dict(num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24,
-                moe_layer_freq=[1, 0], moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped)
-
-
-def _te_model(strategy, **kw):
-    with te_stub.cuda_claimed():
-        return M.build_gpt(M.tiny_config(transformer_impl="transformer_engine", **kw), strategy)
 
 
 # ---------------------------------------------------------------- refusals
@@ -91,7 +79,7 @@ def _bypassed_fold(rank, world, grouped):
     import types
 
     start_te()
-    model = _te_model("hg+dp", **_moe(4 if grouped else 0, grouped))
+    model = te_model("hg+dp", **te_moe(4 if grouped else 0, grouped))
     b = M.batches(1, 2)[0]
     with te_stub.cuda_claimed():
         model(b["tokens"], b["position_ids"], None, labels=b["labels"])  # checked: it folds

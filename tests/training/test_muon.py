@@ -1,7 +1,7 @@
 """``--optimizer muon`` end to end through the trainer (the Python 3.12 leg of CI): the loss goes
 down, and a run saved halfway and resumed matches the straight run in losses, weights and the
 whole optimizer state (Muon's momentum included). Skipped where emerging-optimizers is absent;
-the refusal on Python 3.11 is tested in test_compat_mcore.py."""
+the refusal on Python 3.11 is tested in tests/compat/test_mcore.py."""
 
 import importlib.util
 import warnings
