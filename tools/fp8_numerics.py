@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""FP8 numerics of folded scale vectors, emulated on CPU (issue 14; docs/RESULTS.md, FP8).
+"""FP8 numerics of folded scale vectors, emulated on CPU (docs/RESULTS.md, FP8).
 
 Usage: python tools/fp8_numerics.py [--out runs/fp8] [--variants shared hg hg+dp unified]
        [--load CKPT ...] [--sigmas 0 1 2 3] [--train-compare shared unified] [--mean-kept]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Import cycles inside a package, function-local imports included (issue 27).
+"""Import cycles inside a package, function-local imports included.
 
 Python hides a cycle when one of its imports sits inside a function: nothing fails on import,
 yet the modules still depend on each other. This reads every ``import`` / ``from ... import``

@@ -6,7 +6,7 @@ exchange them). On one process at TP=PP=1 that is ``model.state_dict()`` without
 ``_extra_state``; dist checkpoints saved at any TP/PP/EP are read into such a model by
 megatron-core's resharding load, and a checkpoint saved from it loads at any layout.
 
-Safety rules (issue 5): nothing here unpickles code. Weights are read with safetensors;
+Safety rules: nothing here unpickles code. Weights are read with safetensors;
 dist checkpoints inside ``safe_load.no_code_on_load`` (the one code-free loader). Output goes
 to a temporary sibling directory that is renamed into place only when everything was written,
 so a failed conversion leaves no output directory.
@@ -283,7 +283,7 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def verify_checkpoint_files(path: str, hashes: bool = True) -> None:
-    """Check ``path`` against its checksum manifest (written by the trainer, issue 11 item 2:
+    """Check ``path`` against its checksum manifest (written by the trainer,
     ``training/ckpt_guard.py``) before reading it; a checkpoint without one passes.
     ``hashes=False``: sizes only (``--no-verify-checkpoint``)."""
     from megatron_scalevec.training.ckpt_guard import verify_checkpoint  # noqa: PLC0415
