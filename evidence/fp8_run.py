@@ -104,11 +104,10 @@ def fused_branches(lin, norm) -> tuple[fp8.FusedBranches, Optional[torch.Tensor]
     """(FusedBranches of ``lin``, the pre-norm's gamma when it lives in the norm)."""
     w = lin.weight.detach().float()
     s, inn = len(lin.slots), w.shape[1]
-    norm_gamma = norm.gamma() if norm is not None and norm.enabled else None
-    gin = lin._slot_stack(lin.scale_in, inn)
+    norm_gamma = norm() if norm is not None and norm.enabled else None
+    gout, gin = lin.fold_vectors()  # [S, r], [S, in], or None
     if gin is None:
         gin = (norm_gamma.float() if norm_gamma is not None else torch.ones(inn)).expand(s, inn)
-    gout = lin._slot_stack(lin.scale_out, lin.rows)
     if gout is None:
         gout = torch.ones(s, lin.rows)
     fb = fp8.FusedBranches(w, list(lin.slots), lin.groups, lin.rows,
@@ -206,6 +205,8 @@ def install_fake_fp8(model, rec: fp8.Recipe, mean_kept: bool = False) -> int:
         RowParallelLinear,
     )
 
+    from megatron_scalevec.layers.expert_vectors import vectors_of  # noqa: PLC0415
+
     count = 0
     for name, m in model.named_modules():
         if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)) or \
@@ -214,9 +215,10 @@ def install_fake_fp8(model, rec: fp8.Recipe, mean_kept: bool = False) -> int:
         if m.tp_group is not None and m.tp_group.size() > 1:
             raise NotImplementedError("the FP8 emulation runs at tensor-parallel size 1")
         common = None
-        if mean_kept and len(getattr(m, "scale_in", ())) > 0 and m.scalevec_mode == "weight":
-            def common(mod=m):
-                gammas = torch.stack([vec() for vec in mod.scale_in.values()])
+        scale_in = getattr(vectors_of(m), "scale_in", ())
+        if mean_kept and len(scale_in) > 0 and m.scalevec_mode == "weight":
+            def common(scale_in=scale_in):
+                gammas = torch.stack([vec() for vec in scale_in.values()])
                 return fp8.split_common_gamma(gammas)[0]
 
         # A folded branch projection receives its stored W here and folds inside its own

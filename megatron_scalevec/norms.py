@@ -88,14 +88,11 @@ class ScaleVecNorm(ScaleVector):
         self.normalization = config.normalization
         self.layer = ops.is_layer_norm(self.normalization)  # one clear error if neither
 
-    def vector(self):
-        """gamma (None without a vector), for the fused functions that apply it; read
-        through the module call (vectors.py)."""
-        return self()
-
-    def forward(self, x: Optional[torch.Tensor] = None, parts: bool = False):
-        """``gamma * N(x)``; without ``x`` the vector itself (ScaleVector.forward)."""
+    def forward(self, x: Optional[torch.Tensor] = None):
+        """``gamma * N(x)``; without ``x``, as every ScaleVector, gamma itself (None without a
+        vector): the one way its value is read (vectors.py), e.g. by the fused functions that
+        apply it."""
         if x is None:
-            return super().forward(parts)
+            return super().forward()
         return _ScaledNorm.apply(x, super().forward(), self.layer, self.eps, self.split_group,
                                  self.global_size)

@@ -101,7 +101,8 @@ def grouped_gemm_available(transformer_impl: str = "local") -> bool:
 
 def _grouped_experts_spec(cfg: ScaleVecConfig, mlp: MLPSubmodules,
                           transformer_impl: str = "local") -> ModuleSpec:
-    """Our grouped experts: torch grouped_mm (local) or TE's GroupedLinear, vectors folded."""
+    """Our grouped experts: torch grouped_mm (local) or TE's GroupedLinear, vectors folded
+    (TE: our TEGroupedMLP with the folded grouped fc1 and TE's grouped fc2)."""
     if not grouped_gemm_available(transformer_impl):
         raise RuntimeError(
             f"grouped_gemm=True with transformer_impl={transformer_impl!r} needs "
@@ -109,9 +110,11 @@ def _grouped_experts_spec(cfg: ScaleVecConfig, mlp: MLPSubmodules,
                else "torch.nn.functional.grouped_mm (torch >= 2.8)")
             + "; use grouped_gemm=False (sequential experts)")
     if transformer_impl == "transformer_engine":
-        from megatron_scalevec.layers.te_grouped import te_grouped_experts_spec  # noqa: PLC0415
-
-        return te_grouped_experts_spec(cfg)
+        parts = linear_modules(transformer_impl)
+        fc1 = ModuleSpec(module=parts["grouped_column"], params={"scalevec": cfg})
+        return ModuleSpec(module=parts["grouped_mlp"], params={"scalevec": cfg},
+                          submodules=MLPSubmodules(linear_fc1=fc1,
+                                                   linear_fc2=parts["grouped_row"]))
     from megatron_scalevec.layers.grouped import ScaleVecGroupedMLP  # noqa: PLC0415
 
     return ModuleSpec(module=ScaleVecGroupedMLP, params={"scalevec": cfg}, submodules=mlp)
@@ -144,14 +147,28 @@ def moe_spec(cfg: ScaleVecConfig, num_experts: int, grouped_gemm: bool = False,
     )
 
 
+def te_norm_spec(scalevec: StrategyLike, normalization: Optional[str]) -> ModuleSpec:
+    """Our TE norm (layers/te_classes.py) of ``normalization`` ('LayerNorm' / 'RMSNorm', the
+    config's). megatron-core's TENorm instead picks TE's class in ``__new__`` from the config at
+    build time, because its layer spec builders are not given the config; ours are given the
+    normalization, so the class is picked here, when the spec is built."""
+    norms = linear_modules("transformer_engine")["norm"]
+    if normalization not in norms:
+        raise ValueError(f"a Transformer Engine norm needs normalization='LayerNorm' or "
+                         f"'RMSNorm' (config.normalization), got {normalization!r}")
+    return ModuleSpec(module=norms[normalization], params={"scalevec": as_config(scalevec)})
+
+
 def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
                             num_experts: Optional[int] = None,
-                            transformer_impl: str = "local", **moe_options) -> ModuleSpec:
+                            transformer_impl: str = "local", normalization: Optional[str] = None,
+                            **moe_options) -> ModuleSpec:
     """A GPT layer with the strategy applied; MoE when ``num_experts`` is given.
 
     ``transformer_impl='transformer_engine'``: megatron-core's TE layout (layers/te.py): the
     Pre-Norms fused into ``linear_qkv`` / dense ``linear_fc1``, vectors folded into TE weights,
-    the MoE pre-norm a TE norm; otherwise our norms.
+    the MoE pre-norm a TE norm of ``normalization`` (``config.normalization``, needed then);
+    otherwise our norms.
     """
     cfg = as_config(scalevec)
     te = transformer_impl == "transformer_engine"
@@ -159,8 +176,7 @@ def get_scalevec_layer_spec(scalevec: StrategyLike = "unified",
     if te:
         from megatron.core.transformer.identity_op import IdentityOp  # noqa: PLC0415
 
-        moe_norm = ModuleSpec(module=linear_modules(transformer_impl)["norm"],
-                              params={"scalevec": cfg})
+        moe_norm = te_norm_spec(cfg, normalization) if num_experts else None
     if num_experts:
         mlp = moe_spec(cfg, num_experts=num_experts, transformer_impl=transformer_impl,
                        **moe_options)
@@ -202,12 +218,13 @@ def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
     impl = "local" if config.transformer_impl == "local" else "transformer_engine"
     dense = get_scalevec_layer_spec(cfg, transformer_impl=impl)
     moe = get_scalevec_layer_spec(cfg, config.num_moe_experts, transformer_impl=impl,
+                                  normalization=config.normalization,
                                   grouped_gemm=config.moe_grouped_gemm) if any(pattern) else None
     specs = [moe if pattern[offset + i] else dense for i in range(n)]
     final = norm_spec(cfg, "final")
     if impl == "transformer_engine" and cfg.vectors and not cfg.hg and \
             cfg.parameterization == "plain":  # shared: the stock TE final norm and its keys
-        final = ModuleSpec(module=linear_modules(impl)["norm"], params={"scalevec": cfg})
+        final = te_norm_spec(cfg, config.normalization)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final)
 
 

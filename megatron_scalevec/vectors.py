@@ -12,10 +12,13 @@ Each parameter carries ``scalevec_role`` (``input``/``output``, SPEC.md's IWD ta
 ``scalevec_part`` (which of the above it is); the optimizer rules read only these two.
 Norms and means run over the whole logical vector even when it is split across ranks.
 
-A vector's value is always read through the module call, ``vec()`` (a norm: ``norm()`` without
-input, norms.py): hooks registered on the owning module run first. megatron-core's DDP with
-``overlap_param_gather`` waits there for the all-gather of the module's parameters; reading
-them any other way would use the previous step's values (tests/parity/test_overlap.py).
+A vector's value is read one way: its module call without input, ``vec()`` (a norm too:
+``norm()``; ``norm(x)`` normalizes, norms.py). Hooks registered on the module run first:
+megatron-core's DDP with ``overlap_param_gather`` waits there for the all-gather of its
+parameters; reading them any other way would use the previous step's values
+(tests/parity/test_overlap.py). :func:`stacked`, which evaluates several alike vectors as one
+batched operation, runs those hooks itself (``sharding.ready``) before it reads their
+parameters.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class ScaleVector(nn.Module):
         self.grad_group = grad_group if sharding.group_size(grad_group) > 1 else None
         self.global_size = size * sharding.group_size(self.split_group)
         self._steps: dict = {}  # once-per-step values, by the vectors read together (_value)
+        self._once: Optional[tuple] = None  # (gamma,) inside computed_once()
         if parameterization is None:
             return
         if parameterization not in PARTS:
@@ -86,37 +90,26 @@ class ScaleVector(nn.Module):
             for name, p in self.named_parameters(recurse=False):
                 p.fill_(0.0 if name in ("alpha", "logit") else 1.0)
 
-    _once: Optional[torch.Tensor] = None  # set inside computed_once()
-
     @contextlib.contextmanager
     def computed_once(self):
         """Inside the block every call returns the gamma computed on entry: one autograd node,
         so a vector used by several modules (shared expert vectors) is transformed and its
         gradient reduced once per forward, not once per user."""
-        gamma = self()
-        # object.__setattr__: a plain fp32 gamma is the Parameter itself, which
-        # Module.__setattr__ would try to register as a parameter named _once
-        object.__setattr__(self, "_once", gamma)
+        # in a tuple: a plain fp32 gamma is the Parameter itself, which nn.Module's __setattr__
+        # would register as a parameter named _once
+        self._once = (self(),)
         try:
             yield
         finally:
-            object.__setattr__(self, "_once", None)
+            self._once = None
 
-    def forward(self, parts: bool = False):
-        """The effective gamma [size] (float32), or None when there is no vector. ``parts``:
-        the float32 parameters by name instead, for a caller that evaluates several alike
-        vectors as one batched operation (:func:`stacked`)."""
-        if parts:
-            return {name: p.float() for name, p in self.named_parameters(recurse=False)}
+    def forward(self) -> Optional[torch.Tensor]:
+        """The effective gamma [size] (float32), or None when there is no vector."""
         if self._once is not None:
-            return self._once
+            return self._once[0]
         if self.parameterization is None:
             return None
         return _value([self], lambda: _gamma(self, lambda part: getattr(self, part).float()))
-
-    def gamma(self) -> Optional[torch.Tensor]:
-        """``self()``: gamma, through the module call (diagnostics and conversion)."""
-        return self()
 
     @torch.no_grad()
     def set_from_gamma(self, gamma: torch.Tensor) -> None:
@@ -219,14 +212,14 @@ class _Exponential(torch.autograd.Function):
 def stacked(vectors: list) -> torch.Tensor:
     """[k, m] float32: the gamma of k alike vectors (same parameterization, sizes, groups) as
     one batched operation, with the same split statistics and gradient reduction as one by
-    one. Each vector's parameters are read through its module call (module doc); a vector
-    holding a value computed once for several users (:meth:`ScaleVector.computed_once`, shared
-    expert vectors) gives that value."""
+    one. It reads their parameters without calling them, so it runs their hooks first
+    (``sharding.ready``, module doc); a vector holding a value computed once for several users
+    (:meth:`ScaleVector.computed_once`, shared expert vectors) gives that value."""
     if any(v._once is not None for v in vectors):
         return torch.stack([v() for v in vectors])
-    parts = [v(parts=True) for v in vectors]
-    return _value(vectors, lambda: _gamma(vectors[0],
-                                          lambda name: torch.stack([p[name] for p in parts])))
+    sharding.ready(vectors)
+    return _value(vectors, lambda: _gamma(vectors[0], lambda name: torch.stack(
+        [getattr(v, name).float() for v in vectors])))
 
 
 # ------------------------------------------------- a vector's value and gradient, once per step

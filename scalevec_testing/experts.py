@@ -111,3 +111,41 @@ def save_or_load(rank, world, kind, expert_vectors="per_expert", *, ep, save_dir
             b = M.batches(1, 2, seed=11)[0]
             return float(model(b["tokens"], b["position_ids"], None,
                                labels=b["labels"]).float().mean())
+
+
+_VECTOR_KEY = re.compile(r"\.(scale_in|scale_out|gate_norm|up_norm)\.")
+
+
+def vector_ownership(rank, world, te, grouped, strategy, expert_vectors):
+    """Rank function: how a model's expert vectors are owned (layers/expert_vectors.py), for
+    ``te`` / ``grouped`` experts (TE grouped or TE sequential; local grouped or sequential):
+    whether every parameter and module is registered once (an aliased registration is listed
+    twice with ``remove_duplicate=False``), how many ``shared_vectors`` owners, how many users
+    were lent one and how many resolve (``vectors_of``) to another than their experts module's,
+    and the expert vector state_dict keys outside an owner."""
+    from megatron_scalevec.layers.expert_vectors import vectors_of
+    from scalevec_testing import te_stub
+
+    if te:
+        te_stub.activate()
+    init_model_parallel()
+    with te_stub.cuda_claimed() if te else contextlib.nullcontext():
+        model = M.build_gpt(te_moe_config(te, grouped), strategy_config(strategy, expert_vectors))
+    params = [p for _, p in model.named_parameters(remove_duplicate=False)]
+    modules = [m for _, m in model.named_modules(remove_duplicate=False)]
+    owners = users = elsewhere = 0
+    for mod in model.modules():
+        owner = getattr(mod, "shared_vectors", None)
+        if not isinstance(owner, torch.nn.Module):
+            continue
+        owners += 1
+        for user in [*mod.modules(), *getattr(mod, "experts_view", ())]:
+            if getattr(user, "vectors_from", None) is not None:
+                users += 1
+                elsewhere += vectors_of(user) is not owner
+    keys = [k for k in model.state_dict() if ".experts." in k and _VECTOR_KEY.search(k)]
+    return dict(params_once=len(params) == len({id(p) for p in params}),
+                modules_once=len(modules) == len({id(m) for m in modules}),
+                owners=owners, users=users, elsewhere=elsewhere,
+                outside_owner=[k for k in keys if ".shared_vectors." not in k],
+                in_owner=[k for k in keys if ".shared_vectors." in k])

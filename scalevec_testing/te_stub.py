@@ -303,8 +303,7 @@ def activate() -> types.ModuleType:
         experts.HAVE_TE = True
     from megatron_scalevec.layers import te as ours  # noqa: PLC0415
 
-    ours.HAVE_TE = True
-    ours._CACHE.clear()
+    ours.HAVE_TE = True  # layers/te_classes.py, which needs TE, can be imported from now on
     _state["te"] = te
     return te
 

@@ -79,7 +79,7 @@ def test_scaled_norm_value_and_grads(parameterization, normalization):
     leaves = {n: p.detach().clone().requires_grad_() for n, p in norm.named_parameters()}
     gamma = _formula(parameterization, leaves)
     # the vector's value is the formula
-    torch.testing.assert_close(norm.vector(), gamma.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(norm(), gamma.detach(), rtol=1e-6, atol=1e-6)
     assert not torch.allclose(gamma, torch.ones(H))  # a real test: gamma is not the init 1
     x = _x(2, 5, H, seed=3).requires_grad_()
     ref_x = x.detach().clone().requires_grad_()
@@ -101,7 +101,7 @@ def test_bf16_input_bf16_output():
     x = _x(4, H, seed=6).to(torch.bfloat16)
     y = norm(x)
     assert y.dtype == torch.bfloat16
-    ref = _reference(x.float(), norm.vector().detach(), "RMSNorm").to(torch.bfloat16)
+    ref = _reference(x.float(), norm().detach(), "RMSNorm").to(torch.bfloat16)
     torch.testing.assert_close(y, ref, rtol=0, atol=0.02)
 
 
@@ -109,7 +109,7 @@ def test_bf16_input_bf16_output():
                                           ("branch", {"vectors": False})])
 def test_no_vector_is_plain_normalization(kind, variant):
     norm = _norm(kind=kind, **variant)
-    assert norm.vector() is None and not list(norm.parameters())
+    assert norm() is None and not list(norm.parameters())
     x = _x(3, H, seed=7)
     torch.testing.assert_close(norm(x), F.rms_norm(x, (H,), eps=EPS), rtol=1e-5, atol=1e-5)
 

@@ -134,8 +134,9 @@ def test_stacked_equals_one_by_one():
 
 
 def test_values_are_read_through_the_module_call():
-    """gamma, its parts and a norm's vector go through ``__call__``, where megatron-core's
-    DDP hooks wait for an overlapped parameter all-gather (tests/parity/test_overlap.py)."""
+    """gamma (``v()``, a norm's ``norm()``) goes through ``__call__``, and ``stacked`` runs the
+    vectors' hooks itself before it reads their parameters: megatron-core's DDP hooks wait
+    there for an overlapped parameter all-gather (tests/parity/test_overlap.py)."""
     from types import SimpleNamespace
 
     from megatron_scalevec.config import ScaleVecConfig
@@ -147,5 +148,5 @@ def test_values_are_read_through_the_module_call():
     calls = []
     for m in (v, norm):
         m.register_forward_pre_hook(lambda mod, args: calls.append(mod))
-    v.gamma(), stacked([v, v]), norm.vector()
+    v(), stacked([v, v]), norm()
     assert calls == [v, v, v, norm], calls

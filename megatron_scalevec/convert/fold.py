@@ -38,8 +38,8 @@ def unfoldable_branches(model) -> dict[str, list]:
 
 
 def _gamma_or_ones(module, size: int) -> torch.Tensor:
-    # gamma() (never the step cache); a ScaleVecNorm's own forward normalizes an input.
-    g = module.gamma() if module is not None and module.enabled else None
+    # its call without input: gamma (a ScaleVecNorm's too; with an input it normalizes)
+    g = module() if module is not None and module.enabled else None
     return torch.ones(size) if g is None else g.detach().float()
 
 

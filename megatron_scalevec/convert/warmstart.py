@@ -28,6 +28,7 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.convert.arch import ModelArch
 from megatron_scalevec.convert.build import build_model, logits, sample_batch
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes, load_full_into
+from megatron_scalevec.layers.expert_vectors import vectors_of
 
 # Stock names of the QK norms; our attention calls them q_norm / k_norm.
 _QK_STOCK = {"q_norm": "q_layernorm", "k_norm": "k_layernorm"}
@@ -111,7 +112,7 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                             _set_vector(vec, gamma, f"{lin}.scale_in{b}", key)
                     elif not pre.enabled:  # 'none': no vector anywhere, gamma -> columns
                         w = w * gamma[None, :]
-                    for vec in getattr(modules[lin], "scale_out", {}).values():
+                    for vec in getattr(vectors_of(modules[lin]), "scale_out", {}).values():
                         vec.set_from_gamma(torch.ones(vec.size))
                     out[lin + ".weight"] = w
             att = modules[p + "self_attention"]
@@ -172,7 +173,7 @@ def norm_consumers(modules: dict, layer: str, norm: str) -> list[str]:
 
 def input_vectors(module) -> dict:
     """suffix -> input-side ScaleVector of a consumer (linear: per branch; router: one)."""
-    vectors = getattr(module, "scale_in", None)
+    vectors = getattr(vectors_of(module), "scale_in", None)
     if vectors is None:
         return {}
     if isinstance(vectors, torch.nn.ModuleDict):

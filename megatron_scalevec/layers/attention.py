@@ -97,7 +97,7 @@ class ScaleVecSelfAttention(SelfAttention):
                 return t
             return apply_rotary_pos_emb(t, freqs, config=self.config,
                                         mscale=_rope_mscale(self.config))
-        return fused.head_norm(t, norm.vector(), norm.eps, norm.normalization,
+        return fused.head_norm(t, norm(), norm.eps, norm.normalization,
                                self._cos_sin(freqs, t), self.config.rotary_interleaved)
 
     def _one_qkv_norm(self, key_value_states, output_gate) -> bool:
@@ -121,7 +121,7 @@ class ScaleVecSelfAttention(SelfAttention):
             norms = (self.q_norm, self.k_norm, self.v_norm)
             rope_q = self._cos_sin(q_freqs, mixed)
             rope_k = rope_q if k_freqs is q_freqs else self._cos_sin(k_freqs, mixed)
-            return fused.qkv_norm(mixed, tuple(n.vector() for n in norms), self.q_norm.eps,
+            return fused.qkv_norm(mixed, tuple(n() for n in norms), self.q_norm.eps,
                                   self.q_norm.normalization, qpg, rope_q, rope_k,
                                   self.config.rotary_interleaved)
         out = super().get_query_key_value_tensors(
@@ -133,6 +133,6 @@ class ScaleVecSelfAttention(SelfAttention):
         query = self._norm_rope(query, self.q_norm, q_freqs)
         key = self._norm_rope(key, self.k_norm, k_freqs)
         if self.v_norm is not None:  # keeps its output (attention's) and 1/rms, as q and k
-            value = fused.head_norm(value, self.v_norm.vector(), self.v_norm.eps,
+            value = fused.head_norm(value, self.v_norm(), self.v_norm.eps,
                                     self.v_norm.normalization)
         return (query, key, value) + tuple(out[3:])

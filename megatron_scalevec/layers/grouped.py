@@ -27,6 +27,7 @@ import torch
 
 from megatron_scalevec import sharding
 from megatron_scalevec.layers import fold, glu
+from megatron_scalevec.layers.expert_vectors import vectors_of
 from megatron_scalevec.layers.fold import Fold
 from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import stacked
@@ -76,12 +77,14 @@ def stacked_gamma(vectors: list) -> Optional[torch.Tensor]:
     return stacked(vectors)
 
 
-def _slot_stack(fc1, vectors_of, width: int) -> Optional[torch.Tensor]:
-    """[E, S, width]: each expert's vector per slot of fc1 (ones where a branch has none)."""
-    names = list(vectors_of(fc1))
+def _slot_stack(fc1, side: str, width: int) -> Optional[torch.Tensor]:
+    """[E, S, width]: each expert's ``side`` (scale_in / scale_out) vector per slot of fc1
+    (ones where a branch has none)."""
+    per_expert = [getattr(vectors_of(e), side) for e in fc1.experts]
+    names = list(per_expert[0])
     if not names:
         return None
-    per_branch = {n: stacked_gamma([vectors_of(e)[n] for e in fc1.experts]) for n in names}
+    per_branch = {n: stacked_gamma([vectors[n] for vectors in per_expert]) for n in names}
     ref = next(iter(per_branch.values()))
     ones = ref.new_ones(ref.shape[0], width)
     return torch.stack([per_branch.get(n, ones) for n in fc1.slots], dim=1)
@@ -90,8 +93,7 @@ def _slot_stack(fc1, vectors_of, width: int) -> Optional[torch.Tensor]:
 def fold_vectors(fc1: Fc1View, width: int) -> tuple:
     """(row [E, S, r] or None, col [E, S, in] or None): every expert's fc1 vectors per slot,
     each branch of all experts evaluated as one batched operation."""
-    return (_slot_stack(fc1, lambda m: m.scale_out, fc1.rows),
-            _slot_stack(fc1, lambda m: m.scale_in, width))
+    return _slot_stack(fc1, "scale_out", fc1.rows), _slot_stack(fc1, "scale_in", width)
 
 
 def stacked_forward_weight(fc1: Fc1View, weights, folds=None) -> torch.Tensor:
@@ -105,12 +107,13 @@ def stacked_forward_weight(fc1: Fc1View, weights, folds=None) -> torch.Tensor:
 
 
 def expert_norm_vectors(experts, config) -> tuple:
-    """(a_g or None, a_u), each [E, f]: the DNP vectors of the experts (each with ``gate_norm``
-    and ``up_norm``), read through their module calls."""
-    ups = [e.up_norm for e in experts]
+    """(a_g or None, a_u), each [E, f]: the DNP vectors the experts use (``gate_norm`` and
+    ``up_norm``, layers/expert_vectors.py ``vectors_of``)."""
+    norms = [vectors_of(e) for e in experts]
+    ups = [n.up_norm for n in norms]
     if not config.gated_linear_unit:
         return None, stacked_gamma(ups)
-    gates = [e.gate_norm for e in experts]
+    gates = [n.gate_norm for n in norms]
     if not ups[0].enabled or all(v is ups[0] for v in ups):  # none, or one shared by all
         return stacked_gamma(gates), stacked_gamma(ups)
     both = stacked(gates + ups)  # one batched evaluation of all 2E alike vectors
@@ -188,9 +191,9 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
 
     def _activation(self, h: torch.Tensor, rows: glu.ExpertRows) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config
-        if experts[0].up_norm is not None:  # DNP: the lean fused GLU norm, per-expert vectors
-            return experts_glu_norm(h, *expert_norm_vectors(experts, cfg), experts[0].up_norm,
-                                    cfg, rows)
+        norm = vectors_of(experts[0]).up_norm
+        if norm is not None:  # DNP: the lean fused GLU norm, per-expert vectors
+            return experts_glu_norm(h, *expert_norm_vectors(experts, cfg), norm, cfg, rows)
         if not cfg.gated_linear_unit:  # as megatron-core's MLP.forward (unfused)
             return cfg.activation_func(h)
         gate, up = torch.chunk(h, 2, dim=-1)
@@ -216,7 +219,8 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
                             f"tokens_per_expert does not cover the {x.shape[0]} rows")
         sizes = glu.device_counts(counts, x.device)
         offs = sizes.cumsum(0, dtype=torch.int32)
-        rows = glu.expert_rows(sizes, x.device, blocks=self.local_experts[0].up_norm is not None,
+        rows = glu.expert_rows(sizes, x.device,
+                               blocks=vectors_of(self.local_experts[0]).up_norm is not None,
                                total=x.shape[0])
         experts = self.local_experts
         # The experts' linears are read here, not called: their hooks first (sharding.ready)

@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fold
+from megatron_scalevec.layers.expert_vectors import Borrowed, uses_shared_vectors, vectors_of
 from megatron_scalevec.vectors import ScaleVector, stacked
 
 
@@ -131,13 +132,16 @@ class ScaleVecLinearMixin:
 
     def _init_scale_vectors(self, scalevec: ScaleVecConfig, branches: str, config,
                             in_size: int, out_local: int, is_expert: bool, tp_group,
-                            mode: str):
+                            mode: str, weight=None):
+        """``weight``: the weight an expert's vectors copy ``allreduce`` from (``self.weight``
+        unless given). A routed expert under ``expert_vectors='shared'`` builds no vectors: it
+        is lent its layer's (layers/expert_vectors.py)."""
         self.scalevec = scalevec
         self.scalevec_mode = mode
         self._scale_in_size = in_size
         self.groups, self.slots, self.rows = branch_layout(branches, config, out_local)
         names = list(dict.fromkeys(self.slots))
-        weight = getattr(self, "weight", None)
+        weight = weight if weight is not None else getattr(self, "weight", None)
         expert_allreduce = getattr(weight, "allreduce", True) if is_expert else None
         in_vec = scalevec.hg and scalevec.vectors
         out_vec = scalevec.dp
@@ -145,6 +149,14 @@ class ScaleVecLinearMixin:
         if out_vec and bias is not None and bias.numel() > 0:
             raise ValueError("DP output-side vectors with a linear bias are not supported: "
                              "set add_bias_linear=False / add_qkv_bias=False")
+        if in_vec and mode == "activation":
+            for name in names:  # [S, 1]: keeps this branch's rows of a full-width output
+                mask = torch.tensor([[float(slot == name)] for slot in self.slots])
+                self.register_buffer(f"_slot_mask_{name}", mask, persistent=False)
+        self._has_vectors = bool(in_vec or out_vec)
+        self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, is_expert) else None
+        if self.vectors_from is not None:
+            return  # lent by the layer's ExpertSharedVectors
         self.scale_in = torch.nn.ModuleDict()
         self.scale_out = torch.nn.ModuleDict()
         in_place = sharding.placement(
@@ -152,10 +164,6 @@ class ScaleVecLinearMixin:
             "input_activation_expert" if is_expert else "input_activation", config, tp_group)
         out_place = sharding.placement(f"{branches}_output", config, tp_group)
         for name in names:
-            if in_vec and mode == "activation":
-                # [S, 1]: keeps this branch's rows of a full-width output (built once).
-                mask = torch.tensor([[float(slot == name)] for slot in self.slots])
-                self.register_buffer(f"_slot_mask_{name}", mask, persistent=False)
             if in_vec:
                 self.scale_in[name] = ScaleVector(
                     in_size, scalevec.parameterization, role="input", **in_place,
@@ -168,7 +176,7 @@ class ScaleVecLinearMixin:
 
     @property
     def has_scale_vectors(self) -> bool:
-        return len(self.scale_in) + len(self.scale_out) > 0
+        return self._has_vectors
 
     def _slot_stack(self, vectors: torch.nn.ModuleDict, width: int) -> Optional[torch.Tensor]:
         """[S, width] gamma per slot (ones for a branch without vector), None if no vector."""
@@ -192,8 +200,9 @@ class ScaleVecLinearMixin:
 
     def fold_vectors(self):
         """(row [S, r] or None, col [S, in] or None): the slot vectors of the fold."""
-        return (self._slot_stack(self.scale_out, self.rows),
-                self._slot_stack(self.scale_in, self._scale_in_size))
+        vectors = vectors_of(self)
+        return (self._slot_stack(vectors.scale_out, self.rows),
+                self._slot_stack(vectors.scale_in, self._scale_in_size))
 
     @property
     def fold_layout(self) -> tuple:
@@ -208,32 +217,34 @@ class ScaleVecLinearMixin:
 
     def _activation_forward(self, x: torch.Tensor, call):
         """Activation-side application around any linear ``call(x) -> (out, bias)``."""
-        if len(self.scale_in) == 0:
+        vectors = vectors_of(self)
+        if len(vectors.scale_in) == 0:
             out, bias = call(x)
         else:
             out = None
             bias = None
             shape = None
-            for name, vec in self.scale_in.items():
+            for name, vec in vectors.scale_in.items():
                 y, bias = call(x * vec().to(x.dtype))
                 shape = y.shape
                 y = y.view(*shape[:-1], self.groups, len(self.slots), self.rows)
                 part = y * getattr(self, f"_slot_mask_{name}").to(y.dtype)
                 out = part if out is None else out + part
             out = out.view(shape)
-        if len(self.scale_out) > 0:
-            row = self._slot_stack(self.scale_out, self.rows).to(out.dtype)
+        if len(vectors.scale_out) > 0:
+            row = self._slot_stack(vectors.scale_out, self.rows).to(out.dtype)
             out = (out.view(*out.shape[:-1], self.groups, len(self.slots), self.rows) * row)
             out = out.flatten(-3)
         return out, bias
 
     def scale_vector_sharded_state_dict(self, sd, prefix, sharded_offsets, metadata):
-        """Replace the generic entries of our vectors by their own (split-aware) ones."""
+        """Replace the generic entries of our vectors by their own (split-aware) ones; lent
+        vectors (MoE ``expert_vectors='shared'``) are saved by their owner."""
         for dict_name in ("scale_in", "scale_out"):
             for key in [k for k in sd if k.startswith(f"{prefix}{dict_name}.")]:
                 del sd[key]
-            if dict_name not in self._modules:
-                continue  # held by reference (MoE expert_vectors='shared'): the owner saves it
+            if self.vectors_from is not None:
+                continue
             for name, vec in getattr(self, dict_name).items():
                 sd.update(vec.sharded_state_dict(f"{prefix}{dict_name}.{name}.",
                                                  sharded_offsets, metadata))

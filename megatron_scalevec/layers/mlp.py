@@ -16,57 +16,63 @@ from megatron_scalevec import sharding
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import glu
+from megatron_scalevec.layers.expert_vectors import Borrowed, uses_shared_vectors, vectors_of
 from megatron_scalevec.norms import ScaleVecNorm
 from megatron_scalevec.vectors import stacked
 
 
-class ScaleVecMLP(MLP):
-    """megatron-core MLP + DNP norms (``gate_norm``, ``up_norm``) after ``linear_fc1``."""
+def check_dnp(config, scalevec: ScaleVecConfig, width: int, tp: int) -> None:
+    """DNP's gate / up norms can be laid out over ``width`` split on ``tp`` ranks."""
+    if not scalevec.dnp:
+        return
+    glu.check_config(config)
+    if width % tp:
+        raise ValueError(f"DNP: ffn_hidden_size {width} does not split over {tp} "
+                         f"tensor-parallel ranks, so its norm cannot be laid out")
 
-    def __init__(self, config, submodules, *, scalevec: ScaleVecConfig, is_expert=False,
-                 input_size=None, ffn_hidden_size=None, tp_group=None, pg_collection=None,
-                 is_mtp_layer=False, name=None):
-        # pg_collection / is_mtp_layer / name: what TransformerLayer passes from 0.18 on
-        if tp_group is None and pg_collection is not None:
-            tp_group = pg_collection.tp
-        width = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
-        tp = sharding.group_size(tp_group or sharding.tp_group(is_expert))
-        if scalevec.dnp:
-            glu.check_config(config)
-        if scalevec.dnp and width % tp:
-            raise ValueError(f"DNP: ffn_hidden_size {width} does not split over {tp} "
-                             f"tensor-parallel ranks, so its norm cannot be laid out")
-        super().__init__(config, submodules, **mcore.accepted_kwargs(
-            MLP, is_expert=is_expert, input_size=input_size, ffn_hidden_size=ffn_hidden_size,
-            tp_group=tp_group, name=name))
+
+class GLUNormMLP(MLP):
+    """megatron-core's MLP with DNP's ``gate_norm`` / ``up_norm`` applied after ``linear_fc1``
+    (:meth:`forward`), built by :meth:`_init_norms` after ``MLP.__init__``. No ``__init__`` of
+    its own, so a megatron-core subclass of MLP (SharedExpertMLP) can sit above it in an MRO."""
+
+    def _init_norms(self, scalevec: ScaleVecConfig, width: int, is_expert: bool) -> None:
+        """The DNP norms over this MLP's FFN ``width``, split over ``self.tp_group``; a routed
+        expert under ``expert_vectors='shared'`` is lent its layer's (layers/expert_vectors.py)."""
         self.scalevec = scalevec
+        self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, is_expert) else None
+        if self.vectors_from is not None:
+            return
         self.gate_norm = self.up_norm = None
         if not scalevec.dnp:
             return
+        tp = sharding.group_size(self.tp_group)
         allreduce = getattr(self.linear_fc1.weight, "allreduce", True) if is_expert else None
 
         def norm():
-            return ScaleVecNorm(config, width // tp, config.layernorm_epsilon, scalevec=scalevec,
-                                kind="branch",
-                                placement=sharding.placement("ffn_norm", config, self.tp_group),
+            return ScaleVecNorm(self.config, width // tp, self.config.layernorm_epsilon,
+                                scalevec=scalevec, kind="branch",
+                                placement=sharding.placement("ffn_norm", self.config,
+                                                             self.tp_group),
                                 expert_allreduce=allreduce)
 
         self.up_norm = norm()
-        if config.gated_linear_unit:
+        if self.config.gated_linear_unit:
             self.gate_norm = norm()
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        if self.up_norm is None:
+        norms = vectors_of(self)
+        if norms.up_norm is None:
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
         h, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             h = h + bias
         gated = self.config.gated_linear_unit
-        norm = self.up_norm
+        norm = norms.up_norm
         if gated and norm.enabled:  # alike vectors: one batched evaluation (vectors.stacked)
-            a_g, a_u = stacked([self.gate_norm, norm]).unbind(0)
+            a_g, a_u = stacked([norms.gate_norm, norm]).unbind(0)
         else:
-            a_g, a_u = self.gate_norm.vector() if gated else None, norm.vector()
+            a_g, a_u = norms.gate_norm() if gated else None, norm()
         h = glu.glu_norm(h, a_g, a_u,
                          self.config.activation_func, gated=gated,
                          normalization=norm.normalization, eps=norm.eps,
@@ -78,3 +84,21 @@ class ScaleVecMLP(MLP):
             out = out + out_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
             out_bias = None
         return out, out_bias
+
+
+class ScaleVecMLP(GLUNormMLP):
+    """megatron-core MLP + DNP norms (``gate_norm``, ``up_norm``) after ``linear_fc1``."""
+
+    def __init__(self, config, submodules, *, scalevec: ScaleVecConfig, is_expert=False,
+                 input_size=None, ffn_hidden_size=None, tp_group=None, pg_collection=None,
+                 is_mtp_layer=False, name=None):
+        # pg_collection / is_mtp_layer / name: what TransformerLayer passes from 0.18 on
+        if tp_group is None and pg_collection is not None:
+            tp_group = pg_collection.tp
+        width = ffn_hidden_size if ffn_hidden_size is not None else config.ffn_hidden_size
+        check_dnp(config, scalevec, width,
+                  sharding.group_size(tp_group or sharding.tp_group(is_expert)))
+        super().__init__(config, submodules, **mcore.accepted_kwargs(
+            MLP, is_expert=is_expert, input_size=input_size, ffn_hidden_size=ffn_hidden_size,
+            tp_group=tp_group, name=name))
+        self._init_norms(scalevec, width, is_expert)

@@ -14,8 +14,9 @@ shared by the router and every expert; under HG it has no vector of its own, and
 * shared experts get their own, as a dense MLP of width ``moe_shared_expert_intermediate_size``.
 
 ``ScaleVecConfig.expert_vectors='shared'`` is a second reading for fine-grained MoE: one set
-``gamma_g, gamma_u, a_g, a_u`` per MoE layer used by all routed experts
-(:class:`ExpertSharedVectors`, reduction argument there); router and shared experts unchanged.
+``gamma_g, gamma_u, a_g, a_u`` per MoE layer used by all routed experts, owned by the experts
+module and lent to each expert (layers/expert_vectors.py: ownership, the reduction argument);
+router and shared experts unchanged.
 
 OR / ER apply to all of them. Aux-loss, z-loss and aux-loss-free (expert bias) balancing are
 megatron-core's, untouched: ``gamma_r`` only changes the logits they read.
@@ -25,7 +26,7 @@ columns under expert TP, reduced in autograd over the expert-TP group only (neve
 group), and over the expert data-parallel group by DDP (they copy ``allreduce`` from the expert
 weight). None carries ``sequence_parallel``. ``SequentialMLP.sharded_state_dict`` prepends the
 global expert axis to every sharded tensor of an expert, so vectors are saved at global expert
-ids like the weights. (Shared expert vectors: once per layer, see ExpertSharedVectors.)
+ids like the weights. (Shared expert vectors: once per layer, layers/expert_vectors.py.)
 
 Parameter count
 ---------------
@@ -49,11 +50,9 @@ it against a built model.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -63,13 +62,12 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron_scalevec import sharding
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers.mlp import ScaleVecMLP
-from megatron_scalevec.norms import ScaleVecNorm
+from megatron_scalevec.layers.expert_vectors import shared_expert_vectors
+from megatron_scalevec.layers.mlp import GLUNormMLP, ScaleVecMLP, check_dnp
 from megatron_scalevec.vectors import ScaleVector
 
-__all__ = ["ExpertSharedVectors", "ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP",
-           "ScaleVecTopKRouter", "moe_model_parameters", "moe_new_parameters",
-           "shared_expert_vectors"]
+__all__ = ["ScaleVecSequentialMLP", "ScaleVecSharedExpertMLP", "ScaleVecTopKRouter",
+           "moe_model_parameters", "moe_new_parameters"]
 
 
 class ScaleVecTopKRouter(TopKRouter):
@@ -108,119 +106,13 @@ class ScaleVecTopKRouter(TopKRouter):
         return moe_utils.router_gating_linear(input, weight, self.bias, router_dtype)
 
 
-class ExpertSharedVectors(torch.nn.Module):
-    """``expert_vectors='shared'``: one set of expert-side vectors for all routed experts of a
-    MoE layer: ``scale_in`` (HG gamma_g, gamma_u in R^h), ``scale_out`` (DP a_g, a_u) and
-    ``gate_norm`` / ``up_norm`` (DNP), the latter two in R^f split over expert TP like fc1.
-
-    They are not per-expert parameters: every EP rank holds the same copy and its local
-    experts use it, so its autograd gradient covers only the tokens of the local experts.
-    Reduction, exact for every layout: in autograd we sum over the expert-TP x EP group
-    (``tp_ep``) for the input gammas (replicated over expert TP, each rank uses its own fc1
-    rows) and over EP only for the output vectors (split over expert TP, so the expert-TP
-    part is already complete). Every rank then holds sum_e g_e, e over the experts of its
-    expert-data-parallel replica. The parameters copy ``allreduce`` from the expert weights,
-    so DDP then does to them exactly what it does to a per-expert vector (sum over expert DP,
-    factor 1/dp_cp): by linearity the result is sum_e of the per-expert gradients, i.e. the
-    true gradient of the shared vector. Leaving them to DDP's dense buckets would not be:
-    when expert TP < TP the EP group runs along the dense TP ranks, outside the dense DP
-    group (e.g. TP=2, EP=2, ETP=1 has DP=1).
-    """
-
-    def __init__(self, config, scalevec: ScaleVecConfig, width: int, *, expt_tp, tp_ep, ep,
-                 allreduce: bool):
-        super().__init__()
-        names = ["gate", "up"] if config.gated_linear_unit else ["up"]
-        local = width // sharding.group_size(expt_tp)
-        def place(vector):
-            return sharding.placement(f"shared_expert_{vector}", config, expt_tp, ep=ep,
-                                      tp_ep=tp_ep)
-
-        self.scale_in = torch.nn.ModuleDict()
-        self.scale_out = torch.nn.ModuleDict()
-        self.gate_norm = self.up_norm = None
-        for name in names:
-            if scalevec.hg and scalevec.vectors:
-                self.scale_in[name] = ScaleVector(
-                    config.hidden_size, scalevec.parameterization, role="input",
-                    **place("input"), expert_allreduce=allreduce, dtype=config.params_dtype)
-            if scalevec.dp:
-                self.scale_out[name] = ScaleVector(
-                    local, scalevec.parameterization, role=scalevec.dp_output_role,
-                    **place("output"), expert_allreduce=allreduce, dtype=config.params_dtype)
-            if scalevec.dnp:
-                setattr(self, f"{name}_norm", ScaleVecNorm(
-                    config, local, config.layernorm_epsilon, scalevec=scalevec, kind="branch",
-                    placement=place("ffn_norm"), expert_allreduce=allreduce))
-        # Identical on every EP rank after the reduction above: counted once in the grad norm.
-        sharding.mark_replicas(self, ep)
-
-    def attach(self, expert: ScaleVecMLP) -> None:
-        """Make ``expert`` use these vectors instead of the ones it built (no RNG involved),
-        held by reference only (not registered), so state_dict, optimizer and checkpoint see
-        them once, here."""
-        fc1 = expert.linear_fc1
-        for module, name, target in ((fc1, "scale_in", self.scale_in),
-                                     (fc1, "scale_out", self.scale_out),
-                                     (expert, "gate_norm", self.gate_norm),
-                                     (expert, "up_norm", self.up_norm)):
-            own = getattr(module, name)
-            if (own is None) != (target is None) or \
-                    isinstance(own, torch.nn.ModuleDict) and set(own) != set(target):
-                raise RuntimeError(f"expert {name} does not match the shared vectors")
-            module._modules.pop(name, None)
-            object.__setattr__(module, name, target)
-
-    @contextlib.contextmanager
-    def computed_once(self):
-        """Each shared vector computed once per forward for all local experts."""
-        with contextlib.ExitStack() as stack:
-            for vec in self.modules():
-                if isinstance(vec, ScaleVector):
-                    stack.enter_context(vec.computed_once())
-            yield
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None,
-                           ep_group=None, expt_dp_group=None):
-        """Once per layer (no expert axis), replicated over EP x expert DP (and expert TP
-        where not split): the replica id's last entry numbers the (EP, expert-DP) copies."""
-        sd = {}
-        copy = sharding.group_rank(ep_group) + sharding.group_size(ep_group) * \
-            sharding.group_rank(expt_dp_group)
-        for name, vec in self.named_modules():
-            if isinstance(vec, ScaleVector) and name:
-                part = vec.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata)
-                for sh in part.values():
-                    sh.replica_id = (*sh.replica_id[:2], copy)
-                sd.update(part)
-        return sd
-
-
-def shared_expert_vectors(config, scalevec: ScaleVecConfig, experts, pg_collection, *,
-                          expt_tp, ep, weight) -> Optional[ExpertSharedVectors]:
-    """``expert_vectors='shared'``: the layer's one set of expert vectors, attached to every
-    local expert (each with ``linear_fc1``, ``gate_norm``, ``up_norm``); None otherwise.
-    ``weight``: an expert weight, whose ``allreduce`` the vectors copy."""
-    if scalevec.expert_vectors != "shared" or not experts or \
-            not (scalevec.hg or scalevec.dp or scalevec.dnp):
-        return None
-    tp_ep = getattr(pg_collection, "tp_ep", None) if pg_collection is not None else None
-    if tp_ep is None:
-        tp_ep = parallel_state.get_expert_tensor_and_model_parallel_group(False)
-    shared = ExpertSharedVectors(config, scalevec, config.moe_ffn_hidden_size, expt_tp=expt_tp,
-                                 tp_ep=tp_ep, ep=ep,
-                                 allreduce=getattr(weight, "allreduce", True))
-    for expert in experts:
-        shared.attach(expert)
-    return shared
-
-
 class ScaleVecSequentialMLP(SequentialMLP):
     """SequentialMLP whose local experts are :class:`ScaleVecMLP` (DNP needs the MLP class).
 
     megatron-core's constructor hard-codes ``MLP(...)``; we let it build zero experts (so it
     still sets up its groups and config) and append ours with the same arguments. Under
-    ``expert_vectors='shared'`` the experts use ``shared_vectors`` (:class:`ExpertSharedVectors`).
+    ``expert_vectors='shared'`` the experts module owns them as ``shared_vectors`` and lends them
+    to its experts (layers/expert_vectors.py).
     """
 
     _grouped = False  # True for layers/grouped.py's subclass (same experts, grouped GEMMs)
@@ -238,10 +130,11 @@ class ScaleVecSequentialMLP(SequentialMLP):
                 self.config, submodules, scalevec=scalevec, is_expert=True,
                 ffn_hidden_size=self.config.moe_ffn_hidden_size, tp_group=self.tp_group,
                 name=f"{name}.local_experts.{i}" if name is not None else None))
+        experts = list(self.local_experts)
         self.shared_vectors = shared_expert_vectors(
-            self.config, scalevec, self.local_experts, pg_collection, expt_tp=self.tp_group,
-            ep=self.ep_group, weight=self.local_experts[0].linear_fc1.weight
-            if num_local_experts else None)
+            self.config, scalevec, experts + [e.linear_fc1 for e in experts], pg_collection,
+            expt_tp=self.tp_group, ep=self.ep_group,
+            weight=experts[0].linear_fc1.weight if experts else None)
 
     def forward(self, *args, **kwargs):
         if self.shared_vectors is None:
@@ -258,19 +151,10 @@ class ScaleVecSequentialMLP(SequentialMLP):
         return sd
 
 
-class _DeferredScaleVecMLP(ScaleVecMLP):
-    """ScaleVecMLP built through ``SharedExpertMLP.__init__``, which calls ``MLP.__init__``
-    without our ``scalevec`` argument: the strategy is read from the instance instead."""
-
-    def __init__(self, config, submodules, tp_group=None, **kwargs):
-        super().__init__(config, submodules, scalevec=self._pending_scalevec,
-                         ffn_hidden_size=config.ffn_hidden_size, tp_group=tp_group, **kwargs)
-
-
-class ScaleVecSharedExpertMLP(SharedExpertMLP, _DeferredScaleVecMLP):
+class ScaleVecSharedExpertMLP(SharedExpertMLP, GLUNormMLP):
     """SharedExpertMLP with the dense MLP's vectors (HG/DP in ``linear_fc1``, DNP norms).
 
-    The MRO puts ScaleVecMLP between SharedExpertMLP and MLP, so the stock gate and
+    The MRO puts our GLUNormMLP between SharedExpertMLP and MLP, so the stock gate and
     ``forward`` run around our DNP forward.
     """
 
@@ -280,9 +164,14 @@ class ScaleVecSharedExpertMLP(SharedExpertMLP, _DeferredScaleVecMLP):
             raise NotImplementedError(
                 "DNP on shared experts with moe_shared_expert_overlap: the overlapped path runs "
                 "fc1/act/fc2 piecewise inside the dispatcher and would skip the DNP norms")
-        object.__setattr__(self, "_pending_scalevec", scalevec)
         super().__init__(config, submodules, gate, pg_collection,
                          **mcore.accepted_kwargs(SharedExpertMLP, name=name))
+        # The DNP norms come after megatron-core's SharedExpertMLP.__init__, which builds the MLP
+        # with its own arguments on a copy of the config whose ffn_hidden_size is the shared
+        # experts' width (moe/shared_experts.py, 0.16.1 and 0.19.2)
+        width = self.config.ffn_hidden_size
+        check_dnp(self.config, scalevec, width, sharding.group_size(self.tp_group))
+        self._init_norms(scalevec, width, is_expert=False)
 
 
 def moe_new_parameters(cfg: ScaleVecConfig, *, num_layers: int, hidden: int, heads: int,

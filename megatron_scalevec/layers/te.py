@@ -14,7 +14,11 @@ module's own FP8 weight quantizer. So the fused QKV / fc1 GEMM runs once, and TE
   is the stock trainable gamma under the stock name.
 * sequential and shared experts: a ``TEColumnParallelLinear`` subclass; grouped experts:
   layers/te_grouped.py.
-* the MoE pre-norm: TE's norm, scale-free (frozen identity) unless ``shared``.
+* the MoE pre-norm (and the ``shared`` final norm): TE's LayerNorm or RMSNorm, scale-free
+  (frozen identity) unless ``shared``.
+
+This module is the behaviour (:class:`FoldedTELinear`, the checks and helpers) and imports no
+TE; the classes over megatron-core's TE wrappers are layers/te_classes.py.
 
 The fold is layers/fold.py's, the one the local path runs, evaluated in every forward through
 the module's own call. TE keeps the weight it is given for its backward (and pins it on
@@ -51,7 +55,6 @@ def _te_usable() -> bool:
 
 
 HAVE_TE = _te_usable()
-_CACHE: dict = {}
 
 # (config attribute, why a folded module cannot run with it). TransformerConfig fields in
 # megatron-core 0.16.1 and 0.19.2: delay_wgrad_compute, fp8_param; moe_single_grouped_weight
@@ -151,105 +154,55 @@ def local_output_size(output_size: int, is_expert: bool) -> int:
     return output_size // sharding.group_size(sharding.tp_group(is_expert))
 
 
-def make_te_classes(base: dict) -> dict:
-    """Our dense TE classes over megatron-core's (``base``: its class names -> classes).
-    Keys: ln_column, column, norm, row, attention (grouped experts: layers/te_grouped.py)."""
-
-    class _Folded(ScaleVecLinearMixin):
-        def _init_folded(self, scalevec, branches, config, input_size, output_size, is_expert):
-            check_foldable(config, scalevec)
-            group = sharding.tp_group(is_expert)
-            self._init_scale_vectors(scalevec, branches, config, input_size,
-                                     local_output_size(output_size, is_expert), is_expert, group,
-                                     "weight")
-            self._folds = fold.FoldedWeights()
-            self._step_map, self._step = fold.StepMap(), None
-            self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
-            self._fold_checked = self._fold_seen = False  # fold_checked
-
-        def forward(self, x, *args, **kwargs):
-            if not self.has_scale_vectors:
-                return super().forward(x, *args, **kwargs)
-            # Under megatron-core's DDP and calculator G = dL/dW_eff is summed in W's main_grad
-            # (by TE's fused wgrad accumulation where configured: W_eff carries W's main_grad)
-            # and the step's last micro-batch maps it (fold.StepMap); elsewhere autograd routes
-            # G through the fold. TE reads the flag in each forward (checked on 2.11.0, 2.17.1).
-            self._step = self._step_map.mode(self.weight)
-            self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
-            with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
-                return release_output(self._folds, super().forward(x, *args, **kwargs))
-
-        def _get_weight_tensors(self):  # TE private, checked on 2.11.0 and 2.17.1 (above)
-            weights = super()._get_weight_tensors()
-            if not self.has_scale_vectors:
-                return weights
-            self._fold_seen = True
-            row, col = self.fold_vectors()
-            if self._step is None:
-                return [self._folds([weights[0]], fold.single(row), fold.single(col),
-                                    self.fold_layout)[0]]
-            return self._folds.once_per_step(weights[:1], fold.single(row), fold.single(col),
-                                             self.fold_layout, (self._step, self._step_map,
-                                                                self.fuse_wgrad_accumulation))
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-            return self.scale_vector_sharded_state_dict(sd, prefix, sharded_offsets, metadata)
-
-    class ScaleVecTELayerNormColumnParallelLinear(_Folded, base["TELayerNormColumnParallelLinear"]):
-        """TE's fused norm + column linear; branch vectors folded, norm frozen unless shared."""
-
-        def __init__(self, input_size, output_size, *, scalevec: ScaleVecConfig, branches: str,
-                     config, **kwargs):
-            if scalevec.vectors and not scalevec.hg and scalevec.parameterization != "plain":
-                raise NotImplementedError(
-                    f"{scalevec.to_string()} under TE: the fused norm's gamma is a plain TE "
-                    "parameter; use the local path for OR / ER on a shared gamma")
-            super().__init__(input_size, output_size, config=config, **kwargs)
-            self._init_folded(scalevec, branches, config, input_size, output_size, False)
-            if not pre_norm_has_gamma(scalevec):
-                freeze_scale_free(self, "layer_norm_weight", "layer_norm_bias",
-                                  config.layernorm_zero_centered_gamma)
-
-    class ScaleVecTEColumnParallelLinear(_Folded, base["TEColumnParallelLinear"]):
-        """TE column linear (sequential and shared experts) with branch vectors folded."""
-
-        def __init__(self, input_size, output_size, *, scalevec: ScaleVecConfig, branches: str,
-                     config, is_expert: bool = False, **kwargs):
-            super().__init__(input_size, output_size, config=config, is_expert=is_expert,
-                             **kwargs)
-            self._init_folded(scalevec, branches, config, input_size, output_size, is_expert)
-
-    class ScaleVecTENorm:
-        """TE's norm (a factory, like megatron-core's TENorm); scale-free unless shared."""
-
-        def __new__(cls, config, hidden_size, eps=1e-5, *, scalevec: ScaleVecConfig):
-            norm = base["TENorm"](config=config, hidden_size=hidden_size, eps=eps)
-            if not pre_norm_has_gamma(scalevec):
-                freeze_scale_free(norm, "weight", "bias", config.layernorm_zero_centered_gamma)
-            return norm
-
-    return dict(ln_column=ScaleVecTELayerNormColumnParallelLinear,
-                column=ScaleVecTEColumnParallelLinear, norm=ScaleVecTENorm,
-                row=base["TERowParallelLinear"], attention=base["TEDotProductAttention"])
-
-
-def megatron_te_bases() -> dict:
-    from megatron.core.extensions import transformer_engine as ext  # noqa: PLC0415
-    from megatron.core.transformer.moe.experts import TEGroupedMLP  # noqa: PLC0415
-
-    names = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear",
-             "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear", "TENorm",
-             "TEDotProductAttention")
-    return {**{n: getattr(ext, n) for n in names}, "TEGroupedMLP": TEGroupedMLP}
-
-
-def te_modules() -> dict:
-    """Our TE classes over megatron-core's (built once); a clear error without TE."""
+def require_te() -> None:
+    """One clear error where Transformer Engine is asked for and not usable."""
     if not HAVE_TE:
         raise ImportError("transformer_impl='transformer_engine' needs Transformer Engine "
                           "(pip install 'megatron_scalevec[te]' on a CUDA machine); use "
                           "transformer_impl='local' otherwise")
-    if not _CACHE:
-        _CACHE.update(make_te_classes(megatron_te_bases()))
-    return _CACHE
+
+
+class FoldedTELinear(ScaleVecLinearMixin):
+    """A TE linear with its branch vectors folded into its weight (module doc): above a
+    megatron-core TE linear in the MRO (layers/te_classes.py), ``_init_folded`` after its
+    ``__init__``."""
+
+    def _init_folded(self, scalevec, branches, config, input_size, output_size, is_expert):
+        check_foldable(config, scalevec)
+        group = sharding.tp_group(is_expert)
+        self._init_scale_vectors(scalevec, branches, config, input_size,
+                                 local_output_size(output_size, is_expert), is_expert, group,
+                                 "weight")
+        self._folds = fold.FoldedWeights()
+        self._step_map, self._step = fold.StepMap(), None
+        self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
+        self._fold_checked = self._fold_seen = False  # fold_checked
+
+    def forward(self, x, *args, **kwargs):
+        if not self.has_scale_vectors:
+            return super().forward(x, *args, **kwargs)
+        # Under megatron-core's DDP and calculator G = dL/dW_eff is summed in W's main_grad
+        # (by TE's fused wgrad accumulation where configured: W_eff carries W's main_grad)
+        # and the step's last micro-batch maps it (fold.StepMap); elsewhere autograd routes
+        # G through the fold. TE reads the flag in each forward (checked on 2.11.0, 2.17.1).
+        self._step = self._step_map.mode(self.weight)
+        self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
+        with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
+            return release_output(self._folds, super().forward(x, *args, **kwargs))
+
+    def _get_weight_tensors(self):  # TE private, checked on 2.11.0 and 2.17.1 (above)
+        weights = super()._get_weight_tensors()
+        if not self.has_scale_vectors:
+            return weights
+        self._fold_seen = True
+        row, col = self.fold_vectors()
+        if self._step is None:
+            return [self._folds([weights[0]], fold.single(row), fold.single(col),
+                                self.fold_layout)[0]]
+        return self._folds.once_per_step(weights[:1], fold.single(row), fold.single(col),
+                                         self.fold_layout, (self._step, self._step_map,
+                                                            self.fuse_wgrad_accumulation))
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return self.scale_vector_sharded_state_dict(sd, prefix, sharded_offsets, metadata)

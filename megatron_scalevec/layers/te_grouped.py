@@ -11,8 +11,11 @@ are layers/te.py). Every strategy runs here, ``unified`` included:
   as the local grouped experts), then the router probabilities. Under expert TP the norm's
   statistics are all-reduced over the expert-TP group. Padding, fc1, fc2, bias and recompute
   are megatron-core's / TE's. Without DNP its forward is megatron-core's.
-* ``expert_vectors='shared'``: the layer's one set of vectors (layers/moe.py
-  ``ExpertSharedVectors``), used by every expert's fold and norm.
+* ``expert_vectors='shared'``: the layer's one set of vectors, owned by the experts module and
+  lent to every expert's fold and norm (layers/expert_vectors.py).
+
+This module is the behaviour (two mixins and their helpers) and imports no TE; the classes over
+megatron-core's TE wrappers are layers/te_classes.py.
 
 FP8 (TE's recipe): fc1 quantizes its input and the folded weights; the DNP norm runs on fc1's
 high-precision output; fc2 quantizes its input, the GLU's output. Rows that ``Fp8Padding`` adds
@@ -34,9 +37,14 @@ from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.transformer.moe import moe_utils
 
 from megatron_scalevec import sharding
-from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fold, glu
+from megatron_scalevec.layers.expert_vectors import (
+    Borrowed,
+    shared_expert_vectors,
+    uses_shared_vectors,
+    vectors_of,
+)
 from megatron_scalevec.layers.grouped import (
     Fc1View,
     expert_norm_vectors,
@@ -45,21 +53,16 @@ from megatron_scalevec.layers.grouped import (
     stacked_forward_weight,
 )
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
-from megatron_scalevec.layers.moe import shared_expert_vectors
 from megatron_scalevec.layers.te import (
     check_foldable,
     fold_checked,
     local_output_size,
-    megatron_te_bases,
     release_output,
-    te_modules,
 )
 from megatron_scalevec.norms import ScaleVecNorm
 
-_CACHE: dict = {}
 
-
-def _check(config, scalevec: ScaleVecConfig) -> None:
+def check(config, scalevec: ScaleVecConfig) -> None:
     """One line for each option the grouped experts with these vectors cannot honour."""
     check_foldable(config, scalevec)
     if scalevec.dp and config.add_bias_linear:
@@ -81,22 +84,30 @@ def _check(config, scalevec: ScaleVecConfig) -> None:
 
 
 class _ExpertVectors(ScaleVecLinearMixin, torch.nn.Module):
-    """One expert's fc1 vectors inside a grouped linear (same layout as a sequential fc1)."""
+    """One expert's fc1 vectors inside a grouped linear (same layout as a sequential fc1);
+    ``weight``: its ``weight{e}``, read for ``allreduce`` and held by reference (the grouped
+    linear owns it), for what reads an fc1's weight beside its vectors (training/monitor.py)."""
 
     def __init__(self, scalevec, config, input_size, out_local, group, weight):
-        torch.nn.Module.__init__(self)
-        object.__setattr__(self, "weight", weight)  # read for `allreduce`, not registered
-        self._init_scale_vectors(scalevec, "fc1", config, input_size, out_local, True, group,
-                                 "weight")
-
-
-class _Expert(torch.nn.Module):
-    """Expert e as a sequential expert looks to its vectors: ``linear_fc1`` (its fc1 vectors in
-    the grouped linear, a reference) and the DNP norms ``gate_norm`` / ``up_norm``."""
-
-    def __init__(self, config, scalevec, fc1_vectors, width, tp_group, allreduce):
         super().__init__()
-        object.__setattr__(self, "linear_fc1", fc1_vectors)
+        self._weight = Borrowed(weight)
+        self._init_scale_vectors(scalevec, "fc1", config, input_size, out_local, True, group,
+                                 "weight", weight=weight)
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self._weight.target
+
+
+class _ExpertNorms(torch.nn.Module):
+    """Expert e's DNP norms ``gate_norm`` / ``up_norm``, as a sequential expert has them (or,
+    under ``expert_vectors='shared'``, lent: layers/expert_vectors.py)."""
+
+    def __init__(self, config, scalevec, width, tp_group, allreduce):
+        super().__init__()
+        self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, True) else None
+        if self.vectors_from is not None:
+            return
         self.gate_norm = self.up_norm = None
         if not scalevec.dnp:
             return
@@ -128,210 +139,176 @@ def _at_expert_keys(part: dict, local: str, prefix: str, copy: int) -> dict:
     return part
 
 
-def make_grouped_linear_class(base):
-    """``TEColumnParallelGroupedLinear`` subclass folding expert e's vectors into weight{e}."""
+class FoldedGroupedLinear:
+    """A TE grouped fc1 folding expert e's vectors into ``weight{e}``: above megatron-core's
+    ``TEColumnParallelGroupedLinear`` in the MRO (layers/te_classes.py), ``_init_vectors``
+    after its ``__init__``."""
 
-    class ScaleVecTEColumnParallelGroupedLinear(base):
-        def __init__(self, num_gemms, input_size, output_size, *, scalevec: ScaleVecConfig,
-                     config, **kwargs):
-            _check(config, scalevec)
-            super().__init__(num_gemms, input_size, output_size, config=config, **kwargs)
-            self.vectors_shared = False  # True: the MLP's ExpertSharedVectors (not saved here)
-            self.norms_applied = not scalevec.dnp  # set by ScaleVecTEGroupedMLP
-            group = sharding.tp_group(is_expert=True)
-            self.scale_vectors = torch.nn.ModuleList(
-                _ExpertVectors(scalevec, config, input_size, local_output_size(output_size, True),
-                               group, getattr(self, f"weight{e}")) for e in range(num_gemms))
-            self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
-            self._folds = fold.FoldedWeights()
-            self._step_map, self._step = fold.StepMap(), None
-            self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
-            self._fold_checked = self._fold_seen = False  # te.fold_checked
+    def _init_vectors(self, scalevec: ScaleVecConfig, config, input_size, output_size):
+        self.norms_applied = not scalevec.dnp  # set by the grouped MLP (GroupedExpertsVectors)
+        group = sharding.tp_group(is_expert=True)
+        self.scale_vectors = torch.nn.ModuleList(
+            _ExpertVectors(scalevec, config, input_size, local_output_size(output_size, True),
+                           group, getattr(self, f"weight{e}")) for e in range(self.num_gemms))
+        self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
+        self._folds = fold.FoldedWeights()
+        self._step_map, self._step = fold.StepMap(), None
+        self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
+        self._fold_checked = self._fold_seen = False  # te.fold_checked
 
-        def forward(self, *args, **kwargs):
-            if not self.norms_applied:
-                raise RuntimeError("DNP on TE grouped experts needs the experts module "
-                                   "ScaleVecTEGroupedMLP (te_grouped_experts_spec): this fc1 "
-                                   "alone would skip the norms")
-            if not self.has_scale_vectors:
-                return super().forward(*args, **kwargs)
-            # as layers/te.py: G summed in each W's main_grad and mapped once per step under
-            # megatron-core's DDP and calculator; else mapped by autograd every micro-batch
-            self._step = self._step_map.mode(*(getattr(self, f"weight{e}")
-                                               for e in range(self.num_gemms)))
-            self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
-            with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
-                return release_output(self._folds, super().forward(*args, **kwargs))
+    def forward(self, *args, **kwargs):
+        if not self.norms_applied:
+            raise RuntimeError("DNP on TE grouped experts needs the experts module "
+                               "ScaleVecTEGroupedMLP (specs.py's TE grouped experts): this "
+                               "fc1 alone would skip the norms")
+        if not self.has_scale_vectors:
+            return super().forward(*args, **kwargs)
+        # as layers/te.py: G summed in each W's main_grad and mapped once per step under
+        # megatron-core's DDP and calculator; else mapped by autograd every micro-batch
+        self._step = self._step_map.mode(*(getattr(self, f"weight{e}")
+                                           for e in range(self.num_gemms)))
+        self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
+        with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
+            return release_output(self._folds, super().forward(*args, **kwargs))
 
-        def _get_weight_tensors(self):  # TE private, checked on 2.11.0, 2.17.1 (layers/te.py)
-            weights = list(super()._get_weight_tensors())
-            if not self.has_scale_vectors:
-                return weights
-            self._fold_seen = True
-            fc1 = Fc1View(self.scale_vectors)
-            if self._step is None:
-                return list(stacked_forward_weight(fc1, weights, self._folds).unbind(0))
-            return self._folds.once_per_step(
-                weights, *fold_vectors(fc1, weights[0].shape[-1]), fc1.layout,
-                (self._step, self._step_map, self.fuse_wgrad_accumulation))
+    def _get_weight_tensors(self):  # TE private, checked on 2.11.0, 2.17.1 (layers/te.py)
+        weights = list(super()._get_weight_tensors())
+        if not self.has_scale_vectors:
+            return weights
+        self._fold_seen = True
+        fc1 = Fc1View(self.scale_vectors)
+        if self._step is None:
+            return list(stacked_forward_weight(fc1, weights, self._folds).unbind(0))
+        return self._folds.once_per_step(
+            weights, *fold_vectors(fc1, weights[0].shape[-1]), fc1.layout,
+            (self._step, self._step_map, self.fuse_wgrad_accumulation))
 
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            """The vectors at their global expert ids, under the sequential experts' keys
-            (TEGroupedMLP maps ``linear_fc1.`` to ``experts.linear_fc1.``)."""
-            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-            for key in [k for k in sd if k.startswith(f"{prefix}scale_vectors.")]:
-                del sd[key]
-            if self.vectors_shared:
-                return sd
-            offsets, copy = _expert_offsets(sharded_offsets, len(self.scale_vectors))
-            for e, vectors in enumerate(self.scale_vectors):
-                local, part = f"{prefix}scale_vectors.{e}.", {}
-                for dict_name in ("scale_in", "scale_out"):
-                    for name, vec in getattr(vectors, dict_name).items():
-                        part.update(vec.sharded_state_dict(f"{local}{dict_name}.{name}.",
-                                                           offsets[e], metadata))
-                sd.update(_at_expert_keys(part, local, prefix, copy))
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The vectors at their global expert ids, under the sequential experts' keys
+        (TEGroupedMLP maps ``linear_fc1.`` to ``experts.linear_fc1.``); lent ones are saved
+        by their owner."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for key in [k for k in sd if k.startswith(f"{prefix}scale_vectors.")]:
+            del sd[key]
+        if self.scale_vectors[0].vectors_from is not None:
             return sd
+        offsets, copy = _expert_offsets(sharded_offsets, len(self.scale_vectors))
+        for e, vectors in enumerate(self.scale_vectors):
+            local, part = f"{prefix}scale_vectors.{e}.", {}
+            for dict_name in ("scale_in", "scale_out"):
+                for name, vec in getattr(vectors, dict_name).items():
+                    part.update(vec.sharded_state_dict(f"{local}{dict_name}.{name}.",
+                                                       offsets[e], metadata))
+            sd.update(_at_expert_keys(part, local, prefix, copy))
+        return sd
 
-    return ScaleVecTEColumnParallelGroupedLinear
 
+class GroupedExpertsVectors:
+    """TE grouped experts with DNP between the grouped GEMMs and shared expert vectors: above
+    megatron-core's ``TEGroupedMLP`` in the MRO (layers/te_classes.py), ``_init_vectors``
+    after its ``__init__``."""
 
-def make_grouped_mlp_class(base):
-    """``TEGroupedMLP`` subclass: DNP between the grouped GEMMs, shared expert vectors."""
+    def _init_vectors(self, scalevec: ScaleVecConfig, pg_collection) -> None:
+        width = self.config.moe_ffn_hidden_size  # options checked by our fc1 (check)
+        fc1 = self.linear_fc1
+        if not hasattr(fc1, "scale_vectors"):
+            raise TypeError("ScaleVecTEGroupedMLP needs the scale-vector grouped fc1 "
+                            "(specs.py's TE grouped experts)")
+        tp = sharding.group_size(self.tp_group)
+        if scalevec.dnp and width % tp:
+            raise ValueError(f"DNP: moe_ffn_hidden_size {width} does not split over {tp} "
+                             f"expert-tensor-parallel ranks")
+        self.scalevec = scalevec
+        self.expt_dp_group = getattr(pg_collection, "expt_dp", None) or \
+            ps.get_expert_data_parallel_group()
+        allreduce = getattr(fc1.weight0, "allreduce", True)
+        experts = [_ExpertNorms(self.config, scalevec, width // tp, self.tp_group, allreduce)
+                   for _ in fc1.scale_vectors]
+        self.experts_view = experts  # a list: what each expert's norms are, not registered
+        self.shared_vectors = shared_expert_vectors(
+            self.config, scalevec, experts + list(fc1.scale_vectors), pg_collection,
+            expt_tp=self.tp_group, ep=self.ep_group, weight=fc1.weight0)
+        self.expert_norms = None
+        if self.shared_vectors is None and scalevec.dnp:
+            self.expert_norms = torch.nn.ModuleList(experts)
+        fc1.norms_applied = True
 
-    class ScaleVecTEGroupedMLP(base):
-        def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None,
-                     *, scalevec: ScaleVecConfig):
-            width = config.moe_ffn_hidden_size  # options checked by our fc1 (_check)
-            super().__init__(**mcore.accepted_kwargs(
-                base, num_local_experts=num_local_experts, config=config,
-                submodules=submodules, pg_collection=pg_collection, name=name))
-            fc1 = self.linear_fc1
-            if not hasattr(fc1, "scale_vectors"):
-                raise TypeError("ScaleVecTEGroupedMLP needs the scale-vector grouped fc1 "
-                                "(te_grouped_experts_spec)")
-            tp = sharding.group_size(self.tp_group)
-            if scalevec.dnp and width % tp:
-                raise ValueError(f"DNP: moe_ffn_hidden_size {width} does not split over {tp} "
-                                 f"expert-tensor-parallel ranks")
-            self.scalevec = scalevec
-            self.expt_dp_group = getattr(pg_collection, "expt_dp", None) or \
-                ps.get_expert_data_parallel_group()
-            allreduce = getattr(fc1.weight0, "allreduce", True)
-            experts = [_Expert(self.config, scalevec, v, width // tp, self.tp_group, allreduce)
-                       for v in fc1.scale_vectors]
-            object.__setattr__(self, "experts_view", experts)  # not registered
-            self.shared_vectors = shared_expert_vectors(
-                self.config, scalevec, experts, pg_collection, expt_tp=self.tp_group,
-                ep=self.ep_group, weight=fc1.weight0)
-            self.expert_norms = None
-            if self.shared_vectors is not None:
-                fc1.vectors_shared = True
-            elif scalevec.dnp:
-                self.expert_norms = torch.nn.ModuleList(experts)
-            fc1.norms_applied = True
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                *args, **kwargs):
+        once = self.shared_vectors.computed_once() if self.shared_vectors is not None \
+            else contextlib.nullcontext()
+        with once:
+            if not self.scalevec.dnp:  # the fold is fc1's: megatron-core's forward
+                return super().forward(permuted_local_hidden_states, tokens_per_expert,
+                                       permuted_probs, *args, **kwargs)
+            if any(a is not None for a in (*args, *kwargs.values())):
+                raise NotImplementedError("DNP on TE grouped experts: output / gradient "
+                                          "buffers need TE's fused grouped MLP")
+            return self._dnp_forward(permuted_local_hidden_states, tokens_per_expert,
+                                     permuted_probs)
 
-        def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                    *args, **kwargs):
-            once = self.shared_vectors.computed_once() if self.shared_vectors is not None \
-                else contextlib.nullcontext()
-            with once:
-                if not self.scalevec.dnp:  # the fold is fc1's: megatron-core's forward
-                    return super().forward(permuted_local_hidden_states, tokens_per_expert,
-                                           permuted_probs, *args, **kwargs)
-                if any(a is not None for a in (*args, *kwargs.values())):
-                    raise NotImplementedError("DNP on TE grouped experts: output / gradient "
-                                              "buffers need TE's fused grouped MLP")
-                return self._dnp_forward(permuted_local_hidden_states, tokens_per_expert,
-                                         permuted_probs)
+    def _dnp_forward(self, x, tokens_per_expert, probs):
+        """TEGroupedMLP.forward with the DNP GLU norm between the GEMMs. It uses
+        megatron-core's TEGroupedMLP internals ``quantization_padding`` /
+        ``quantization_unpadding``, ``activation_recompute``, the private ``_apply_bias``
+        and ``moe_utils.skip_routed_expert_padding`` (0.19); present in 0.16.1 and 0.19.2,
+        run there by tests/layers/test_te_grouped.py except the FP8 padding (GPU only)."""
+        cfg = self.config
+        counts = tokens_per_expert.tolist()
+        probs = probs.unsqueeze(-1)
+        padded = counts
+        skip = getattr(moe_utils, "skip_routed_expert_padding", None)  # 0.19+
+        if (cfg.fp8 or cfg.fp4) and not (skip is not None and skip(cfg)):
+            x, padded = self.quantization_padding(x, counts)
+            probs, _ = self.quantization_padding(probs, counts)
+        if cfg.moe_apply_probs_on_input:
+            if cfg.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
+            x = (probs * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        h, _ = self.linear_fc1(x, padded)  # built with skip_bias_add=False: bias added
+        rows = glu.expert_rows(tokens_per_expert if padded is counts else padded, h.device,
+                               total=h.shape[0])  # device counts as they are, no sync
+        a_g, a_u = expert_norm_vectors(self.experts_view, cfg)
+        norm = vectors_of(self.experts_view[0]).up_norm
 
-        def _dnp_forward(self, x, tokens_per_expert, probs):
-            """TEGroupedMLP.forward with the DNP GLU norm between the GEMMs. It uses
-            megatron-core's TEGroupedMLP internals ``quantization_padding`` /
-            ``quantization_unpadding``, ``activation_recompute``, the private ``_apply_bias``
-            and ``moe_utils.skip_routed_expert_padding`` (0.19); present in 0.16.1 and 0.19.2,
-            run there by tests/layers/test_te_grouped.py except the FP8 padding (GPU only)."""
-            cfg = self.config
-            counts = tokens_per_expert.tolist()
-            probs = probs.unsqueeze(-1)
-            padded = counts
-            skip = getattr(moe_utils, "skip_routed_expert_padding", None)  # 0.19+
-            if (cfg.fp8 or cfg.fp4) and not (skip is not None and skip(cfg)):
-                x, padded = self.quantization_padding(x, counts)
-                probs, _ = self.quantization_padding(probs, counts)
-            if cfg.moe_apply_probs_on_input:
-                if cfg.moe_router_topk != 1:
-                    raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
-                x = (probs * x).to(x.dtype)
-                probs = torch.ones_like(probs)
-            h, _ = self.linear_fc1(x, padded)  # built with skip_bias_add=False: bias added
-            rows = glu.expert_rows(tokens_per_expert if padded is counts else padded, h.device,
-                                   total=h.shape[0])  # device counts as they are, no sync
-            a_g, a_u = expert_norm_vectors(self.experts_view, cfg)
-            norm = self.experts_view[0].up_norm
+        def norm_act(h, a_g, a_u, probs):
+            out = experts_glu_norm(h, a_g, a_u, norm, cfg, rows)
+            return (out * probs).to(out.dtype)
 
-            def norm_act(h, a_g, a_u, probs):
-                out = experts_glu_norm(h, a_g, a_u, norm, cfg, rows)
-                return (out * probs).to(out.dtype)
+        if self.activation_recompute:  # megatron-core's "moe_act" recompute, as stock
+            from megatron.core import tensor_parallel  # noqa: PLC0415
 
-            if self.activation_recompute:  # megatron-core's "moe_act" recompute, as stock
-                from megatron.core import tensor_parallel  # noqa: PLC0415
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+            h = self.activation_checkpoint.checkpoint(norm_act, h, a_g, a_u, probs)
+        else:
+            h = norm_act(h, a_g, a_u, probs)
+        out, out_bias = self.linear_fc2(h, padded)
+        if self.activation_recompute:
+            self.activation_checkpoint.discard_output_and_register_recompute(out)
+        out = self._apply_bias(out, out_bias, padded, probs)
+        if padded is not counts:
+            out = self.quantization_unpadding(out, counts)
+        return out, None
 
-                self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
-                h = self.activation_checkpoint.checkpoint(norm_act, h, a_g, a_u, probs)
-            else:
-                h = norm_act(h, a_g, a_u, probs)
-            out, out_bias = self.linear_fc2(h, padded)
-            if self.activation_recompute:
-                self.activation_checkpoint.discard_output_and_register_recompute(out)
-            out = self._apply_bias(out, out_bias, padded, probs)
-            if padded is not counts:
-                out = self.quantization_unpadding(out, counts)
-            return out, None
-
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            """megatron-core's, plus the DNP norms at global expert ids under the sequential
-            experts' keys, or the shared vectors once per layer."""
-            sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-            own = (f"{prefix}expert_norms.", f"{prefix}shared_vectors.")  # there without the
-            sd = {k: v for k, v in sd.items() if not k.startswith(own)}  # expert axis: below
-            if self.shared_vectors is not None:
-                sd.update(self.shared_vectors.sharded_state_dict(
-                    f"{prefix}shared_vectors.", sharded_offsets, metadata, self.ep_group,
-                    self.expt_dp_group))
-            if self.expert_norms is None:
-                return sd
-            offsets, copy = _expert_offsets(sharded_offsets, self.num_local_experts)
-            for e, expert in enumerate(self.expert_norms):
-                local, part = f"{prefix}expert_norms.{e}.", {}
-                for name in ("gate_norm", "up_norm"):
-                    if getattr(expert, name) is not None:
-                        part.update(getattr(expert, name).sharded_state_dict(
-                            f"{local}{name}.", offsets[e], metadata))
-                sd.update(_at_expert_keys(part, local, f"{prefix}experts.", copy))
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron-core's, plus the DNP norms at global expert ids under the sequential
+        experts' keys, or the shared vectors once per layer."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        own = (f"{prefix}expert_norms.", f"{prefix}shared_vectors.")  # there without the
+        sd = {k: v for k, v in sd.items() if not k.startswith(own)}  # expert axis: below
+        if self.shared_vectors is not None:
+            sd.update(self.shared_vectors.sharded_state_dict(
+                f"{prefix}shared_vectors.", sharded_offsets, metadata, self.ep_group,
+                self.expt_dp_group))
+        if self.expert_norms is None:
             return sd
-
-    return ScaleVecTEGroupedMLP
-
-
-def te_grouped_modules() -> dict:
-    """{'grouped_column', 'grouped_row', 'grouped_mlp'}: ours over megatron-core's (built
-    once); a clear error without TE."""
-    te_modules()  # the one "needs Transformer Engine" error
-    if not _CACHE:
-        base = megatron_te_bases()
-        _CACHE.update(grouped_column=make_grouped_linear_class(
-            base["TEColumnParallelGroupedLinear"]), grouped_row=base["TERowParallelGroupedLinear"],
-            grouped_mlp=make_grouped_mlp_class(base["TEGroupedMLP"]))
-    return _CACHE
-
-
-def te_grouped_experts_spec(cfg: ScaleVecConfig):
-    """Our TEGroupedMLP with the folded grouped fc1 and TE's grouped fc2 (a ModuleSpec)."""
-    from megatron.core.transformer.mlp import MLPSubmodules  # noqa: PLC0415
-    from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: PLC0415
-
-    parts = te_grouped_modules()
-    fc1 = ModuleSpec(module=parts["grouped_column"], params={"scalevec": cfg})
-    return ModuleSpec(module=parts["grouped_mlp"], params={"scalevec": cfg},
-                      submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=parts["grouped_row"]))
+        offsets, copy = _expert_offsets(sharded_offsets, self.num_local_experts)
+        for e, expert in enumerate(self.expert_norms):
+            local, part = f"{prefix}expert_norms.{e}.", {}
+            for name in ("gate_norm", "up_norm"):
+                if getattr(expert, name) is not None:
+                    part.update(getattr(expert, name).sharded_state_dict(
+                        f"{local}{name}.", offsets[e], metadata))
+            sd.update(_at_expert_keys(part, local, f"{prefix}experts.", copy))
+        return sd

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalevec import sharding
+from megatron_scalevec.layers.expert_vectors import vectors_of
 from megatron_scalevec.vectors import ScaleVector
 
 
@@ -50,8 +51,8 @@ def scale_vector_stats(model) -> dict:
         root = _unwrap(chunk)
         feeds = {}
         for mod in root.modules():
-            if hasattr(mod, "scale_in") and hasattr(mod, "slots"):
-                for b, vec in mod.scale_in.items():
+            if hasattr(mod, "slots"):  # a branched projection: the vectors it uses
+                for b, vec in getattr(vectors_of(mod), "scale_in", {}).items():
                     feeds[id(vec)] = (mod, b)
             attn = getattr(mod, "self_attention", None)
             norm = getattr(mod, "input_layernorm", None)

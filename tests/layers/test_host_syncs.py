@@ -53,20 +53,20 @@ def _te(rank, world):
         get_default_pg_collection,
     )
 
-    from megatron_scalevec.layers.te import megatron_te_bases
-
     start_te()
+    from megatron.core.extensions import transformer_engine as ext  # as TE's stand-in left it
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     out = {}
     for name in (None, "shared", *DNP):  # None: megatron-core's TEGroupedMLP
         config = te_moe_config(True, True, moe_layer_freq=1)
         with te_stub.cuda_claimed():
             if name is None:
-                base = megatron_te_bases()
                 torch.manual_seed(7)
-                experts = base["TEGroupedMLP"](len(COUNTS), config, MLPSubmodules(
-                    linear_fc1=base["TEColumnParallelGroupedLinear"],
-                    linear_fc2=base["TERowParallelGroupedLinear"]), get_default_pg_collection())
+                experts = TEGroupedMLP(len(COUNTS), config, MLPSubmodules(
+                    linear_fc1=ext.TEColumnParallelGroupedLinear,
+                    linear_fc2=ext.TERowParallelGroupedLinear), get_default_pg_collection())
             else:
                 experts = M.build_gpt(config, _strategy(name)).decoder.layers[0].mlp.experts
             for host, c in _measure(experts).items():

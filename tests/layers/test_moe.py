@@ -321,6 +321,23 @@ def test_shared_expert_vectors_init_equals_megatron_moe_layer():
     assert any("experts.shared_vectors.scale_out.up" in n for n in res[strategies[0]][4])
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_shared_expert_vectors_are_owned_once_and_lent(grouped):
+    """One ExpertSharedVectors per MoE layer owns the vectors (its keys only); each local
+    expert and its fc1 build none and are lent exactly that owner; nothing is registered twice
+    (layers/expert_vectors.py). Per expert: no owner, no lending."""
+    from scalevec_testing.experts import vector_ownership
+
+    for strategy in ("unified", "hg+dp+er"):
+        shared = run_on_ranks(vector_ownership, 1, False, grouped, strategy, "shared")[0]
+        assert shared["params_once"] and shared["modules_once"], shared
+        assert (shared["owners"], shared["users"], shared["elsewhere"]) == (1, 2 * EXPERTS, 0)
+        assert shared["in_owner"] and not shared["outside_owner"], shared
+        own = run_on_ranks(vector_ownership, 1, False, grouped, strategy, "per_expert")[0]
+        assert own["params_once"] and (own["owners"], own["users"]) == (0, 0), own
+        assert len(own["outside_owner"]) == EXPERTS * len(shared["in_owner"]), own
+
+
 SHARED_LAYOUTS = {**LAYOUTS, "ep2_edp2": dict(world=4, ep=2)}
 
 

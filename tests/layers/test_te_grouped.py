@@ -30,9 +30,7 @@ REL = 1e-5
 
 def _te_experts(model) -> int:
     """How many MoE layers run our TE grouped experts (each must)."""
-    from megatron_scalevec.layers.te_grouped import te_grouped_modules
-
-    cls = te_grouped_modules()["grouped_mlp"]
+    from megatron_scalevec.layers.te_classes import ScaleVecTEGroupedMLP as cls
     kinds = [isinstance(m, cls) for n, m in model.named_modules() if n.endswith("mlp.experts")]
     assert kinds and all(kinds), kinds
     return len(kinds)
@@ -197,6 +195,23 @@ def test_te_grouped_matches_sequential_across_layouts(references, tmp_path, stra
     assert any(re.search(rf"{vec}\.(linear_fc1\.)?scale_in", k) for k in diffs), sorted(diffs)
     assert any(re.search(rf"{vec}\.gate_norm", k) for k in diffs), sorted(diffs)
     assert diffs[worst] < 1e-4, f"{layout}: grad of {worst} differs by {diffs[worst]:.2e} (rel)"
+
+
+@needs_te
+@pytest.mark.parametrize("grouped", [True, False], ids=["te_grouped", "te_sequential"])
+def test_te_shared_expert_vectors_are_owned_once_and_lent(grouped):
+    """As tests/test_moe.py for local experts: one owner per MoE layer, each expert's fc1
+    vectors (inside the grouped linear, or a TE column linear) and norms lent it, nothing
+    registered twice."""
+    from scalevec_testing.experts import vector_ownership
+
+    shared = run_on_ranks(vector_ownership, 1, True, grouped, "unified", "shared")[0]
+    assert shared["params_once"] and shared["modules_once"], shared
+    assert (shared["owners"], shared["users"], shared["elsewhere"]) == (1, 2 * EXPERTS, 0)
+    assert shared["in_owner"] and not shared["outside_owner"], shared
+    own = run_on_ranks(vector_ownership, 1, True, grouped, "unified", "per_expert")[0]
+    assert own["params_once"] and (own["owners"], own["users"]) == (0, 0), own
+    assert len(own["outside_owner"]) == EXPERTS * len(shared["in_owner"]), own
 
 
 # ---------------------------------------------------------------- checkpoint interchange

@@ -28,9 +28,9 @@ def _refusal(rank, world, field, strategy, grouped):
     config = M.tiny_config(transformer_impl="transformer_engine")
     if field:
         object.__setattr__(config, field, True)
-    from megatron_scalevec.layers.te_grouped import te_grouped_modules
+    from megatron_scalevec.layers.parts import linear_modules
 
-    cls = te_grouped_modules()["grouped_column"] if grouped else te.te_modules()["ln_column"]
+    cls = linear_modules("transformer_engine")["grouped_column" if grouped else "ln_column"]
     args = (4, 32, 48) if grouped else (32, 48)
     extra = {} if grouped else dict(gather_output=False, branches="fc1")
     try:

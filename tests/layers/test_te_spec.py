@@ -30,14 +30,23 @@ def _layout(rank, world):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    from megatron_scalevec.layers.te_grouped import te_grouped_modules
+    from megatron_scalevec.layers import te_classes
+    from megatron_scalevec.layers.parts import linear_modules
     from megatron_scalevec.specs import get_scalevec_layer_spec
 
-    parts = {**te.te_modules(), **te_grouped_modules()}
+    parts = linear_modules("transformer_engine")
+    ours = [parts[k] for k in ("ln_column", "column", "grouped_column", "grouped_mlp")]
+    ours += list(parts["norm"].values())
+    again = linear_modules("transformer_engine")  # defined once, at te_classes' import
+    once = [c.__module__ == te_classes.__name__ and "<locals>" not in c.__qualname__
+            and getattr(te_classes, c.__name__) is c for c in ours]
+    once += [again[k] is parts[k] for k in parts]
     dense = get_scalevec_layer_spec("unified", transformer_impl="transformer_engine").submodules
     att = dense.self_attention.submodules
-    moe = get_scalevec_layer_spec("unified", 4, transformer_impl="transformer_engine").submodules
+    moe = get_scalevec_layer_spec("unified", 4, transformer_impl="transformer_engine",
+                                  normalization="RMSNorm").submodules
     grouped = get_scalevec_layer_spec("unified", 4, transformer_impl="transformer_engine",
+                                      normalization="RMSNorm",
                                       grouped_gemm=True).submodules.mlp.submodules.experts
     return [dense.input_layernorm is IdentityOp, dense.pre_mlp_layernorm is IdentityOp,
             att.linear_qkv.func is parts["ln_column"],
@@ -45,7 +54,7 @@ def _layout(rank, world):
             att.core_attention is ext.TEDotProductAttention,
             att.linear_proj is ext.TERowParallelLinear,
             dense.mlp.submodules.linear_fc1.module is parts["ln_column"],
-            moe.pre_mlp_layernorm.module is parts["norm"],
+            moe.pre_mlp_layernorm.module is parts["norm"]["RMSNorm"],
             moe.mlp.submodules.experts.submodules.linear_fc1.module is parts["column"],
             issubclass(parts["column"], ext.TEColumnParallelLinear),
             moe.mlp.submodules.shared_experts.submodules.linear_fc1.module is parts["column"],
@@ -53,13 +62,64 @@ def _layout(rank, world):
             issubclass(parts["grouped_column"], ext.TEColumnParallelGroupedLinear),
             grouped.submodules.linear_fc2 is ext.TERowParallelGroupedLinear,
             grouped.module is parts["grouped_mlp"],
-            issubclass(parts["grouped_mlp"], TEGroupedMLP)]
+            issubclass(parts["grouped_mlp"], TEGroupedMLP), *once]
 
 
 @needs_te
 def test_spec_uses_megatron_te_classes():
     checks = run_on_ranks(_layout, 1)[0]
     assert all(checks), checks
+
+
+def _te_norms(rank, world):
+    """For each normalization: the class each spec names, the class built, its TE base; a TE
+    MoE layer spec without the normalization, and a mismatching config, refused."""
+    start_te()
+    import transformer_engine.pytorch as tep
+
+    from megatron_scalevec.specs import get_scalevec_block_spec, get_scalevec_layer_spec
+
+    out = {}
+    for norm in ("LayerNorm", "RMSNorm"):
+        config = M.tiny_config(transformer_impl="transformer_engine", normalization=norm,
+                               **te_moe(4))
+        block = get_scalevec_block_spec(config, "shared")
+        specs = [block.layer_specs[0].submodules.pre_mlp_layernorm.module,
+                 block.layer_norm.module]
+        model = te_model("shared", normalization=norm, **te_moe(4))
+        built = [type(model.decoder.layers[0].pre_mlp_layernorm),
+                 type(model.decoder.final_layernorm)]
+        out[norm] = dict(specs_are_built=specs == built, names=[c.__name__ for c in built],
+                         te_base=all(issubclass(c, getattr(tep, norm)) for c in built),
+                         no_new=all("__new__" not in vars(c) for c in built))
+        other = "RMSNorm" if norm == "LayerNorm" else "LayerNorm"
+        spec = get_scalevec_layer_spec("shared", 4, transformer_impl="transformer_engine",
+                                       normalization=other)
+        try:
+            with te_stub.cuda_claimed():
+                spec.submodules.pre_mlp_layernorm.module(
+                    config, 32, scalevec=spec.submodules.pre_mlp_layernorm.params["scalevec"])
+        except ValueError as err:
+            out[norm]["mismatch"] = str(err)
+    try:
+        get_scalevec_layer_spec("shared", 4, transformer_impl="transformer_engine")
+    except ValueError as err:
+        out["missing"] = str(err)
+    return out
+
+
+@needs_te
+def test_te_norm_class_is_chosen_when_the_spec_is_built():
+    """The TE norm's class (LayerNorm or RMSNorm flavour) is the spec's own, picked from the
+    normalization where the spec is built; the built module is an instance of exactly that
+    class (no ``__new__`` returning another type)."""
+    out = run_on_ranks(_te_norms, 1)[0]
+    for norm in ("LayerNorm", "RMSNorm"):
+        got = out[norm]
+        assert got["specs_are_built"] and got["te_base"] and got["no_new"], (norm, got)
+        assert got["names"] == [f"ScaleVecTE{norm}"] * 2, got
+        assert "config.normalization" in got.get("mismatch", ""), got
+    assert "normalization" in out.get("missing", ""), out
 
 
 def test_without_te_the_error_is_clear():

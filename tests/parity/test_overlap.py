@@ -3,11 +3,12 @@
 With the distributed optimizer and ``overlap_param_gather``, after an optimizer step each rank
 holds only its own shard of the updated parameters; the rest arrive by an all-gather that DDP
 waits for in a forward pre-hook of the module that owns the parameter. A scale vector read
-without calling its module (a fused kernel taking ``norm.vector()``, a batched evaluation of
-several vectors) would use the previous step's values. Each case trains the same model on DP=2
-twice in one set of gloo ranks, with small buckets (many all-gathers) and linear (SGD-like)
-updates, without and with the overlap (and with ``align_param_gather``): losses and the
-parameters after every step must agree bit for bit (float32, same reduction order).
+without calling its module, or running its hooks (its parameters handed to a fused kernel
+directly, a batched evaluation of several vectors), would use the previous step's values. Each
+case trains the same model on DP=2 twice in one set of gloo ranks, with small buckets (many
+all-gathers) and linear (SGD-like) updates, without and with the overlap (and with
+``align_param_gather``): losses and the parameters after every step must agree bit for bit
+(float32, same reduction order).
 """
 
 import contextlib

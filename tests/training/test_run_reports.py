@@ -101,7 +101,7 @@ def _stats(rank, world):
     want = {}  # each vector's norm and OR magnitude, read directly
     for name, vec in model.named_modules():
         if isinstance(vec, ScaleVector) and vec.enabled:
-            want[f"sv/{name}/norm"] = math.sqrt(float(vec.gamma().double().pow(2).sum()))
+            want[f"sv/{name}/norm"] = math.sqrt(float(vec().double().pow(2).sum()))
             if vec.parameterization == "or":
                 want[f"sv/{name}/beta"] = float(vec.magnitude)
     return got["counts"], got["result"], want
