@@ -23,21 +23,13 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import ScaleVecColumnParallelLinear, ScaleVecSelfAttention
 from scalevec_testing import gather_full_tensor, init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
+from scalevec_testing.compare import rand as _rand
+from scalevec_testing.compare import rel as _rel
 
 HEADS, GROUPS, HD = 4, 2, 8  # M.tiny_config(): hidden 32
 SEQ, BATCH = 6, 2
 EPS = 1e-5
 REL = 1e-5
-
-
-def _rel(a, b):
-    if a is None:  # no gradient where the reference has one
-        return float("inf")
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _build(strategy, stock_norms=None, **overrides):

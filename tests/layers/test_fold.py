@@ -16,16 +16,11 @@ import pytest
 import torch
 
 from megatron_scalevec.layers import fold
+from scalevec_testing.compare import rel as _rel
 
 LAYOUT = (2, 3, 4)  # G groups, S slots, r rows per slot: a weight of 24 rows
 OUT, IN = 24, 5
 VECTORS = {"row": (True, False), "col": (False, True), "both": (True, True)}
-
-
-def _rel(a, b):
-    if a is None:  # no gradient where the reference has one
-        return float("inf")
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _rand(*shape, seed, around=0.0):

@@ -20,20 +20,12 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers.linear import ScaleVecColumnParallelLinear
 from scalevec_testing import gather_full_tensor, init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
+from scalevec_testing.compare import rand as _rand
+from scalevec_testing.compare import rel as _rel
 
 HIDDEN, HEADS, GROUPS, HD, FFN = 32, 4, 2, 8, 64  # M.tiny_config()
 TOKENS = (6, 2)  # [s, b]
 REL = 1e-5
-
-
-def _rel(a, b):
-    if a is None:  # no gradient where the reference has one
-        return float("inf")
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _build(branches, strategy, bias=False, mode=None, **overrides):
