@@ -191,17 +191,23 @@ def test_paired_ratio_pairs_each_instance_with_its_own_base():
     assert med == pytest.approx(1.1) and spread == pytest.approx(0.05)
 
 
+def _tiny_args(*extra):
+    """The benchmark's arguments for shared and unified (eager) on a one-layer model."""
+    from benchmarks import overhead as bench
+
+    return bench.build_parser().parse_args(
+        ["--variants", "shared@eager", "unified@eager", "--baseline", "shared@eager",
+         "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
+         "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0", "--instances", "1",
+         *extra])
+
+
 def _bench_null(rank, world):
     init_model_parallel()
     from benchmarks import overhead as bench
 
-    args = bench.build_parser().parse_args(
-        ["--variants", "shared@eager", "unified@eager", "--baseline", "shared@eager", "--null",
-         "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
-         "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0", "--repeats", "2",
-         "--instances", "1"])
-    rows = bench.run(args)
+    rows = bench.run(_tiny_args("--null", "--repeats", "2"))
     base, null = ([p.detach() for p in r["model"].parameters()] for r in (rows[0], rows[-1]))
     same = len(base) == len(null) and all(a.equal(b) for a, b in zip(base, null))
     return [r["name"] for r in rows], same, bench.report(rows, "shared@eager").splitlines()[1]
@@ -305,13 +311,7 @@ def _bench_bf16(rank, world):
     init_model_parallel()
     from benchmarks import overhead as bench
 
-    args = bench.build_parser().parse_args(
-        ["--variants", "shared@eager", "unified@eager", "--baseline", "shared@eager", "--bf16",
-         "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16",
-         "--vocab", "64", "--micro-batch-size", "1", "--warmup", "0", "--repeats", "1",
-         "--instances", "1"])
-    rows = bench.run(args)
+    rows = bench.run(_tiny_args("--bf16", "--repeats", "1"))
     out = {}
     for r in rows:
         opt = getattr(r["opt"], "chained_optimizers", [r["opt"]])[0]
