@@ -243,7 +243,7 @@ def _value(vectors: list, compute) -> torch.Tensor:
     key = tuple(map(id, vectors))
     state = v0._steps.get(key)
     if state is None:
-        state = v0._steps[key] = _Step()
+        state = v0._steps[key] = _Step(params, v0.grad_group)
     if steps.new_step(params[0]):
         if state.gamma is not None and state.leaf.grad is not None:  # a forward without
             raise steps.never_closed("a scale vector", state.seen, n)  # backward is no step
@@ -253,7 +253,6 @@ def _value(vectors: list, compute) -> torch.Tensor:
         steps.start(params)
         state.seen, state.gamma = 0, compute()
         state.leaf = state.gamma.detach().requires_grad_()
-        state.params, state.group = params, v0.grad_group
     elif state.seen >= n:
         raise steps.over_count("a scale vector", state.seen + 1, n)
     elif state.gamma is None:
@@ -268,12 +267,11 @@ def _value(vectors: list, compute) -> torch.Tensor:
 class _Step:
     """One vector's (or one stack's) gamma in the current step and its accumulating leaf."""
 
-    def __init__(self):
+    def __init__(self, params: list, group):
+        self.params, self.group = params, group  # group: where the leaf's gradient is partial
         self.seen = 0
         self.gamma: Optional[torch.Tensor] = None  # with autograd, until the step closes
         self.leaf: Optional[torch.Tensor] = None
-        self.params: list = []
-        self.group = None  # where the leaf's gradient is partial
 
 
 class _LastMicroBatch(torch.autograd.Function):

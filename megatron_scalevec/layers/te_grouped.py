@@ -254,6 +254,8 @@ class GroupedExpertsVectors:
         and ``moe_utils.skip_routed_expert_padding`` (0.19); present in 0.16.1 and 0.19.2,
         run there by tests/layers/test_te_grouped.py except the FP8 padding (GPU only)."""
         cfg = self.config
+        # TE's GroupedLinear takes m_splits as a host list: the one sync megatron-core's own
+        # TEGroupedMLP.forward makes too (the ledger's syncs/mb: equal to stock's)
         counts = tokens_per_expert.tolist()
         probs = probs.unsqueeze(-1)
         padded = counts
