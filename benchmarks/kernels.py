@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from benchmarks.heap import keep_freed_memory
-from megatron_scalevec.layers import compile, fused, glu
+from megatron_scalevec import compile
+from megatron_scalevec.layers import fused, glu
 
 
 def _glu_cases(label, rows, width, experts):

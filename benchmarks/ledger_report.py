@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -104,8 +105,9 @@ class _Trainer:
         self.M.train_steps(self.ddp, self.cfg, self.data[:m * self.dp], 1, self.opt,
                            forward_context=self.context)
 
-    def forward(self):
-        self.ddp.zero_grad_buffer()  # a step's first micro-batch (the fold counts them)
+    def forward(self, first: bool = True):
+        if first:
+            self.ddp.zero_grad_buffer()  # a step's first micro-batch (the fold counts them)
         b = self.data[0]
         return self.model(b["tokens"], b["position_ids"], None, labels=b["labels"])
 
@@ -158,7 +160,14 @@ def _single(rank, world, layout, moe, args) -> dict:
                 row[f"traffic{k}"], row[f"fused{k}"] = tr.bytes, fused.bytes
                 row[f"ops{k}"] = dict(tr.by_op)
             with t.context() if t.context else contextlib.nullcontext():
-                row["kept"] = kept_bytes(t.forward)
+                # the step's first micro-batch also makes what the step keeps (the vectors'
+                # values, once a step); the second, with the first in flight, what every
+                # micro-batch in flight keeps (what pipeline depth multiplies)
+                row["kept_first"] = kept_bytes(t.forward)
+                first = t.forward()
+                row["kept"] = kept_bytes(functools.partial(t.forward, first=False),
+                                         exclude=[first])
+                del first
                 row["hooks"] = overhead.saved_activation_bytes(t.forward)
             for k in (1, 2):
                 with HostSyncs() as hs:
@@ -188,12 +197,12 @@ def _collectives(rank, world, layout, moe, args, tp, sp, ep) -> dict:
 
 @contextlib.contextmanager
 def _fused_as_one_op():
-    """Our fused kernel bodies (layers/compile.py ``kernel``: compiled on a GPU, eager under a
+    """Our fused kernel bodies (compile.py ``kernel``: compiled on a GPU, eager under a
     dispatch mode) each counted as one kernel by Traffic; a no-op if the layers have none."""
     import importlib
 
     try:
-        compile = importlib.import_module("megatron_scalevec.layers.compile")
+        compile = importlib.import_module("megatron_scalevec.compile")
     except ImportError:
         compile = None
     original = getattr(compile, "kernel", None)
@@ -293,7 +302,7 @@ def report(args, layout: str, moe: bool, res: dict) -> str:
              f"parameters; stock traffic {s_mb / folded:.1f} B/folded param a micro-batch, "
              f"{s_step / folded:.1f} a step"]
     head = ["variant", "kept MiB"] + [f"kept/{r}" for r in refs] + [
-        "hooks MiB", "+traffic B/fp mb", "+traffic B/fp step", "+fused B/fp mb",
+        "kept KiB step", "hooks MiB", "+traffic B/fp mb", "+traffic B/fp step", "+fused B/fp mb",
         "+fused B/fp step"]
     head += [f"+coll/layer {p} mb / step" for p in coll] + ["syncs/mb", "step ms"]
     head += ["peak MiB"] + [f"peak/{r}" for r in refs] if peaks else []
@@ -302,7 +311,8 @@ def report(args, layout: str, moe: bool, res: dict) -> str:
         step, mb = parts[v]
         cells = [v, f"{r['kept'] / 2**20:.2f}"]
         cells += [f"{r['kept'] / rows[x]['kept']:.3f}" for x in refs]
-        cells += [f"{r['hooks'] / 2**20:.2f}", f"{(mb - s_mb) / folded:+.1f}",
+        cells += [f"{(r['kept_first'] - r['kept']) / 2**10:.0f}",
+                  f"{r['hooks'] / 2**20:.2f}", f"{(mb - s_mb) / folded:+.1f}",
                   f"{(step - s_step) / folded:+.1f}",
                   f"{(fused[v][1] - fused[base][1]) / folded:+.1f}",
                   f"{(fused[v][0] - fused[base][0]) / folded:+.1f}"]
@@ -312,7 +322,7 @@ def report(args, layout: str, moe: bool, res: dict) -> str:
             cells += [f"{peaks[v] / 2**20:.0f}"] + [f"{peaks[v] / peaks[x]:.3f}" for x in refs]
         lines.append("| " + " | ".join(cells) + " |")
     if not all(r["fused_one_op"] for r in rows.values()):
-        lines.append("- no fused kernel bodies found (layers/compile.py kernel): +fused = +traffic")
+        lines.append("- no fused kernel bodies found (compile.py kernel): +fused = +traffic")
     lines += _footnotes(coll, rows, layers) + _top_ops(rows, base, m, folded)
     return "\n".join(lines)
 

@@ -194,7 +194,7 @@ def run(args) -> list:
 
 
 def _run(args) -> list:
-    from megatron_scalevec.layers import compile
+    from megatron_scalevec import compile
     from scalevec_testing import models as M
 
     cuda = args.device == "cuda"

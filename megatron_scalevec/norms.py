@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from megatron_scalevec import ops, sharding
+from megatron_scalevec import compile, ops, sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.vectors import ScaleVector
 
@@ -38,32 +38,70 @@ class _ScaledNorm(torch.autograd.Function):
     """``gamma * N(x)`` (ops.py) saving only ``x`` and the per-row statistics for backward
     (autograd of the composite keeps two full-size intermediates). The statistics, and the row
     sums the backward needs, run over the whole logical width when it is split over
-    ``group``."""
+    ``group``. Unsplit (every Pre-Norm and final norm), forward and backward are one fused
+    kernel body each (compile.py), as megatron-core's and TE's norms are one kernel."""
 
     @staticmethod
     def forward(ctx, x, gamma, layer, eps, group, n):
-        mean, rstd = ops.row_stats([x], layer, eps, n, lambda t: sharding.sum_in_place(t, group))
+        if group is None:
+            y, mean, rstd = compile.kernel(_norm_fwd)(x, gamma, layer, eps, n)
+        else:
+            mean, rstd = ops.row_stats([x], layer, eps, n,
+                                       lambda t: sharding.sum_in_place(t, group))
+            y = _scaled(x, gamma, mean, rstd)
         ctx.save_for_backward(x, mean, rstd, gamma)
         ctx.group, ctx.n = group, n
-        y = ops.scale_free(x, mean, rstd)
-        return (y * gamma if gamma is not None else y).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, mean, rstd, gamma = ctx.saved_tensors
-        xhat = ops.scale_free(x, mean, rstd)
-        dy = dy.float()
-        dgamma = None
-        if gamma is not None:
-            if ctx.needs_input_grad[1]:
-                dgamma = (dy * xhat).reshape(-1, xhat.shape[-1]).sum(0)
-            dy = dy * gamma
-        sums = [(dy * xhat).sum(-1, keepdim=True)] + ([dy.sum(-1, keepdim=True)]
-                                                       if mean is not None else [])
-        sums = sharding.sum_in_place(torch.cat(sums, -1), ctx.group) / ctx.n
-        mean_g = sums[..., 1:] if mean is not None else None
-        dx = ops.scale_free_grad(dy, xhat, rstd, sums[..., :1], mean_g)
-        return dx.to(x.dtype), dgamma, None, None, None, None
+        needs = ctx.needs_input_grad[1] and gamma is not None
+        if ctx.group is None:
+            dx, dgamma = compile.kernel(_norm_bwd)(dy, x, mean, rstd, gamma, needs, ctx.n)
+        else:
+            xhat, dy, dgamma = _norm_bwd_rows(dy, x, mean, rstd, gamma, needs)
+            sums = sharding.sum_in_place(_grad_sums(dy, xhat, mean), ctx.group) / ctx.n
+            dx = _norm_bwd_dx(dy, xhat, rstd, sums, mean, x.dtype)
+        return dx, dgamma, None, None, None, None
+
+
+def _scaled(x, gamma, mean, rstd):
+    y = ops.scale_free(x, mean, rstd)
+    return (y * gamma if gamma is not None else y).to(x.dtype)
+
+
+def _norm_fwd(x, gamma, layer: bool, eps: float, n: int):
+    mean, rstd = ops.row_stats([x], layer, eps, n)
+    return _scaled(x, gamma, mean, rstd), mean, rstd
+
+
+def _norm_bwd_rows(dy, x, mean, rstd, gamma, needs: bool):
+    """xhat, the gradient at N(x) (float32) and gamma's gradient."""
+    xhat = ops.scale_free(x, mean, rstd)
+    dy = dy.float()
+    dgamma = None
+    if gamma is not None:
+        if needs:
+            dgamma = (dy * xhat).reshape(-1, xhat.shape[-1]).sum(0)
+        dy = dy * gamma
+    return xhat, dy, dgamma
+
+
+def _grad_sums(dy, xhat, mean):
+    return torch.cat([(dy * xhat).sum(-1, keepdim=True)] +
+                     ([dy.sum(-1, keepdim=True)] if mean is not None else []), -1)
+
+
+def _norm_bwd_dx(dy, xhat, rstd, sums, mean, dtype):
+    mean_g = sums[..., 1:] if mean is not None else None
+    return ops.scale_free_grad(dy, xhat, rstd, sums[..., :1], mean_g).to(dtype)
+
+
+def _norm_bwd(dy, x, mean, rstd, gamma, needs: bool, n: int):
+    xhat, dy, dgamma = _norm_bwd_rows(dy, x, mean, rstd, gamma, needs)
+    dx = _norm_bwd_dx(dy, xhat, rstd, _grad_sums(dy, xhat, mean) / n, mean, x.dtype)
+    return dx, dgamma
 
 
 class ScaleVecNorm(ScaleVector):

@@ -179,14 +179,20 @@ class _Magnitude(torch.autograd.Function):
     def forward(ctx, u, beta, group, m):
         r = torch.rsqrt(sharding.sum_in_place(u.pow(2).sum(-1, keepdim=True), group) / m)
         ctx.save_for_backward(u, beta, r)
-        ctx.group, ctx.m = group, m
+        ctx.group, ctx.m, ctx.t = group, m, None
         return beta * u * r
 
     @staticmethod
     def backward(ctx, g):
         u, beta, r = ctx.saved_tensors
-        t = sharding.sum_in_place((g * u).sum(-1, keepdim=True), ctx.group)
+        t = ctx.t if ctx.t is not None else sharding.sum_in_place(_partial(ctx, g), ctx.group)
         return beta * r * (g - (r * r * t / ctx.m) * u), t * r, None, None
+
+
+def _partial(ctx, g) -> torch.Tensor:
+    """This rank's part of the backward statistic ``t`` of :class:`_Magnitude` (``sum(g * u)``)
+    or :class:`_Exponential` (``sum(g * gamma)``): the tensor each saved first, [..., 1]."""
+    return (g * ctx.saved_tensors[0]).sum(-1, keepdim=True)
 
 
 class _Exponential(torch.autograd.Function):
@@ -198,14 +204,14 @@ class _Exponential(torch.autograd.Function):
         mean = sharding.sum_in_place(v.sum(-1, keepdim=True), group) / m
         gamma = torch.exp(alpha + v - mean)
         ctx.save_for_backward(gamma)
-        ctx.group, ctx.m = group, m
+        ctx.group, ctx.m, ctx.t = group, m, None
         return gamma
 
     @staticmethod
     def backward(ctx, g):
         (gamma,) = ctx.saved_tensors
         h = g * gamma
-        t = sharding.sum_in_place(h.sum(-1, keepdim=True), ctx.group)
+        t = ctx.t if ctx.t is not None else sharding.sum_in_place(_partial(ctx, g), ctx.group)
         return h - t / ctx.m, t, None, None
 
 
@@ -299,20 +305,31 @@ _CLOSING: list = []  # the steps whose last micro-batch's backward is running
 
 def _close() -> None:
     """Close the step of every vector whose last backward just ran: the leaves' gradients (the
-    step's sum) are summed over their groups, one collective per group for all of them, then
-    mapped through each gamma's backward (OR / ER transform) onto the parameters, where
-    megatron-core's DDP hooks take them as any gradient (``grad_added_to_main_grad`` cleared)."""
+    step's sum) are summed over their groups and the split vectors' backward statistics
+    (:class:`_Magnitude`, :class:`_Exponential`) over their split groups, one collective per
+    group for all of them, then mapped through each gamma's backward (OR / ER transform) onto
+    the parameters, where megatron-core's DDP hooks take them as any gradient
+    (``grad_added_to_main_grad`` cleared)."""
     states = [s for s in _CLOSING if s.gamma is not None and s.leaf.grad is not None]
     _CLOSING.clear()
     if not states:
         return
     grads = [s.leaf.grad for s in states]
-    by_group: dict = {}
+    # round 0: gradients partial over a group, and the statistics of split vectors whose
+    # gradient is whole on this rank; round 1: those of split vectors whose gradient was partial
+    rounds: list = [{}, {}]
     for s, g in zip(states, grads):
         if s.group is not None:
-            by_group.setdefault(s.group, []).append(g)
-    for group, tensors in by_group.items():  # the same order on every rank of a group
-        sharding.sum_coalesced(tensors, group)
+            rounds[0].setdefault(s.group, []).append(g)
+    stats = [(s.gamma.grad_fn, g, int(s.group is not None)) for s, g in zip(states, grads)
+             if getattr(s.gamma.grad_fn, "t", False) is None]  # _Magnitude / _Exponential
+    for i, groups in enumerate(rounds):
+        for fn, g, r in stats:
+            if r == i and fn.group is not None:
+                fn.t = _partial(fn, g)
+                groups.setdefault(fn.group, []).append(fn.t)
+        for group, tensors in groups.items():  # the same order on every rank of a group
+            sharding.sum_coalesced(tensors, group)
     gammas = [s.gamma for s in states]
     for s in states:
         s.gamma = s.leaf = None

@@ -98,7 +98,11 @@ def _cpu_type(t):
 
 
 class _CudaAsCpuMode(TorchFunctionMode):
-    """Map every CUDA device request to the CPU (patches 1, 2)."""
+    """Map every CUDA device request to the CPU (patches 1, 2). The fused kernel bodies run
+    without it (``kernel_passive``, compile.py): they name no device, and it is on in
+    forward only, so dynamo would compile each body once with it and once without."""
+
+    kernel_passive = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

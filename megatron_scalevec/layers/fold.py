@@ -24,8 +24,7 @@ from typing import Optional
 
 import torch
 
-from megatron_scalevec import steps
-from megatron_scalevec.layers import compile
+from megatron_scalevec import compile, steps
 
 
 def _scale(row, col, dtype) -> torch.Tensor:
@@ -51,7 +50,7 @@ def _shape(n_experts: int, layout: tuple, width: int) -> tuple:
 def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[E, out, in]: each weight folded with its expert's vectors (into ``out`` if given). One
-    fused kernel body (layers/compile.py, compiled with the weights' shapes): each weight read
+    fused kernel body (compile.py, compiled with the weights' shapes): each weight read
     once, ``out`` written once, no weight-sized scale in between."""
     n, (rows_out, width) = len(weights), weights[0].shape
     if out is None:
@@ -72,7 +71,7 @@ def fold_grads(grad: torch.Tensor, weights: Sequence[torch.Tensor], row, col, la
                needs: tuple) -> tuple:
     """(dW per expert, d row, d col) from ``grad`` = dL/dW_eff [E, out, in] (``needs``: which
     of the three); dW in the weights' dtype (``grad`` may be a float32 accumulation). Compiled
-    by layers/compile.py, with the weights' static shapes (the products fused)."""
+    by compile.py, with the weights' static shapes (the products fused)."""
     return compile.kernel(_fold_grads, dynamic=False)(grad, tuple(weights), row, col, layout,
                                                       needs)
 
@@ -310,7 +309,7 @@ def map_in_place(main_grad: torch.Tensor, weight: torch.Tensor, row, col, layout
                  needs: tuple) -> tuple:
     """The step's ``G`` in ``main_grad`` [out, in] mapped in place to ``dW = G * scale``;
     returns (d row, d col) [S, n] (``needs``: which), one linear's vectors. One fused kernel
-    body (layers/compile.py; compiled with the weight's static shape): G and W read once, G
+    body (compile.py; compiled with the weight's static shape): G and W read once, G
     written once."""
     d_row, d_col, _ = compile.kernel(_map, dynamic=False)(main_grad, weight, single(row),
                                                            single(col), layout, needs)

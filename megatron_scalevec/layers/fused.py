@@ -8,7 +8,7 @@ no full-size tensor that the stock layer does not keep already.
 * ``glu_norm`` (layers/glu.py): the FFN-width norms of gate and up fused with the GLU, on the
   same machinery.
 
-The element-wise bodies are plain tensor functions, compiled or not by layers/compile.py (the
+The element-wise bodies are plain tensor functions, compiled or not by compile.py (the
 one place that applies ``torch.compile``). The tests compare these functions with the autograd
 composites they replace (scalevec_testing/reference.py).
 """
@@ -19,8 +19,7 @@ from typing import Optional
 
 import torch
 
-from megatron_scalevec import ops
-from megatron_scalevec.layers import compile
+from megatron_scalevec import compile, ops
 
 # ---------------------------------------------------------------- RoPE pieces (last dim)
 

@@ -7,7 +7,7 @@ Grouped experts give each row its expert's vectors (:class:`ExpertRows`; rows so
 expert). Each expert's vector gradient is summed over its own rows without writing a per-row
 product: the kernel sums blocks of ``BLOCK`` rows, a block inside one expert goes to that
 expert, and only the rows of the few blocks that span two experts (at most one per expert
-boundary) are kept one by one. The bodies are compiled or not by layers/compile.py, with its
+boundary) are kept one by one. The bodies are compiled or not by compile.py, with its
 guards for a row count that varies (``rows_kernel``).
 """
 
@@ -19,8 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_scalevec import ops, sharding
-from megatron_scalevec.layers import compile
+from megatron_scalevec import compile, ops, sharding
 
 BLOCK = 16  # rows per block of the per-expert vector gradients
 

@@ -422,7 +422,7 @@ def _main(argv) -> list:
     created = _init_distributed(args)
     args = _parse_once(argv, dist.get_world_size())
     if args.fused_compile is not None:
-        from megatron_scalevec.layers import compile  # noqa: PLC0415
+        from megatron_scalevec import compile  # noqa: PLC0415
 
         compile.set_mode(args.fused_compile)
     trainer = None

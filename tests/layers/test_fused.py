@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
 from benchmarks.overhead import saved_activation_bytes
-from megatron_scalevec.layers import compile, fused, glu
+from megatron_scalevec import compile
+from megatron_scalevec.layers import fused, glu
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
 from scalevec_testing.reference import reference

@@ -1,6 +1,6 @@
 """The compiled fused DNP kernels (what the trainer and the benchmark run by default) equal the
 reference (scalevec_testing/reference.py), and ``auto`` falls back to eager, once and with one
-warning, where compiling fails (layers/compile.py)."""
+warning, where compiling fails (compile.py)."""
 
 import contextlib
 import warnings
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_scalevec.layers import compile, fused, glu
+from megatron_scalevec import compile
+from megatron_scalevec.layers import fused, glu
 from scalevec_testing.reference import reference
 
 
@@ -26,7 +27,7 @@ def _mode(mode):
 @pytest.fixture
 def compiles(monkeypatch):
     """The (body, dynamic) pairs handed to torch.compile during the test, from a fresh cache
-    (layers/compile.py compiles each pair once)."""
+    (compile.py compiles each pair once)."""
     seen = []
     real = torch.compile
 
@@ -238,3 +239,60 @@ def test_step_map_in_place_matches_plain_torch(mode, compiles):
         w_eff = fold.fold([w], row[None], col[None], (groups, slots, rows))
     want = w4 * row[None, :, :, None] * col[None, :, None, :]
     assert _rel(w_eff[0], want.view_as(w)) < 1e-6
+
+
+def test_a_kernel_compiles_once_per_shape(compiles):
+    """Inputs that require grad or not (inside autograd Functions, grad off) and the CPU
+    layer's device mode (on in forward, off on autograd's backward thread) do not compile a
+    body again: dynamo guards on both, so a model's fold compiled up to four times per shape
+    and hit dynamo's recompile limit (then ran eagerly) in a benchmark of several variants."""
+    import threading  # noqa: PLC0415
+
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+    from torch.overrides import _get_current_function_mode_stack  # noqa: PLC0415
+
+    from megatron_scalevec.layers import fold  # noqa: PLC0415
+
+    assert any(getattr(m, "kernel_passive", False) for m in _get_current_function_mode_stack())
+    torch._dynamo.reset()
+    counters.clear()
+    w = torch.randn(12, 8, requires_grad=True)
+    row, col = torch.rand(1, 3, 4) + 0.5, torch.rand(1, 3, 8) + 0.5
+    want = w.detach().view(3, 4, 8) * row[0, :, :, None] * col[0, :, None, :]
+
+    def call(needs_grad):
+        with torch.no_grad():
+            c = col.clone().requires_grad_(needs_grad)
+            return fold.fold([w], row, c, (1, 3, 4))[0]
+
+    outs = []
+    with _mode("on"):
+        outs += [call(True), call(False)]
+        thread = threading.Thread(target=lambda: outs.append(call(True)))  # no device mode
+        thread.start()
+        thread.join()
+    assert len(outs) == 3 and all(_rel(o.view_as(want), want) < 1e-6 for o in outs)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_compiled_norm_matches_the_composite(compiles, normalization):
+    """A Pre-Norm / final norm (norms.py), one compiled body each way, against N(x) * gamma
+    written as torch's own norm (with and without a vector)."""
+    from megatron_scalevec import norms  # noqa: PLC0415
+
+    torch.manual_seed(4)
+    layer = normalization == "LayerNorm"
+    x = torch.randn(6, 2, 16, dtype=torch.float64).float().requires_grad_()
+    gamma = (1 + 0.3 * torch.randn(16)).requires_grad_()
+    dy = torch.randn(6, 2, 16)
+    torch_norm = F.layer_norm if layer else F.rms_norm
+    for g in (gamma, None):
+        inputs = (x, g) if g is not None else (x,)
+        with _mode("on"):
+            got = _grads(lambda g=g: norms._ScaledNorm.apply(x, g, layer, 1e-5, None, 16),
+                         inputs, dy)
+        ref = _grads(lambda g=g: torch_norm(x, (16,), g, eps=1e-5), inputs, dy)
+        for name, a, b in zip(("out", "dx", "dgamma"), got, ref):
+            assert _rel(a, b) < 1e-5, (name, g is None, _rel(a, b))
+    assert {fn.__name__ for fn, _ in compiles} >= {"_norm_fwd", "_norm_bwd"}, compiles

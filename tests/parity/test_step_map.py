@@ -189,10 +189,16 @@ def test_map_once_per_step_tp2_sequence_parallel_moe():
 def test_vectors_once_per_step_tp2_at_most_two_collectives_per_layer_per_micro_batch(sp):
     r = _compare(2, "unified", tp=2, sequence_parallel=sp)[0]
     # a layer a micro-batch: DNP's statistics over the split FFN width, forward and backward;
-    # a layer a step: the split OR vectors' (a_g, a_u, read together) statistic each way; the
-    # model a step: one sum of every replicated vector's gradient (vectors.py _close)
+    # a layer a step: the split OR vectors' (a_g, a_u, read together) forward statistic; the
+    # model a step: one sum of every replicated vector's gradient and every split vector's
+    # backward statistic (vectors.py _close)
     layers = r["layers"]
-    assert r["ours"] / r["steps"] == layers * 2 * MICRO + layers * 2 + 1, r["ours"]
+    assert r["ours"] / r["steps"] == layers * 2 * MICRO + layers + 1, r["ours"]
+
+
+def test_split_er_vectors_once_per_step_tp2():
+    # ER's split statistics (sum(v) forward, sum(g * gamma) backward in the step's close)
+    _compare(2, "hg+dp+er", tp=2)
 
 
 def test_map_once_per_step_under_full_recompute():

@@ -79,7 +79,7 @@ def compiled(fn, dynamic: Optional[bool] = None):
         if _eager and _mode == "auto":
             return fn(*args)
         try:
-            return body(*args)
+            return _run(body, args)
         except Exception as err:  # inductor raises many types (no compiler, unsupported op)
             if _mode != "auto" or not _compile_error(err):
                 raise
@@ -90,6 +90,29 @@ def compiled(fn, dynamic: Optional[bool] = None):
             return fn(*args)
 
     return call
+
+
+def _run(body, args):
+    """``body(*args)`` so that its compiled code is found again, not compiled once more: dynamo
+    guards on each tensor's ``requires_grad`` and on the torch function modes that are on, and
+    neither concerns a body (plain tensor math, called inside autograd Functions, grad off).
+    Under no grad its tensors go in detached; a mode whose class sets ``kernel_passive`` (the
+    CPU layer's device mode, compat/cpu.py: on in forward, off on autograd's backward thread)
+    is popped around it. Private ``torch.overrides._get_current_function_mode_stack`` and
+    ``_pop_mode_temporarily``, checked on torch 2.13.0 (no public way to leave a mode)."""
+    if not torch.is_grad_enabled():
+        args = tuple(map(_detached, args))
+    modes = torch.overrides._get_current_function_mode_stack()
+    if modes and getattr(modes[-1], "kernel_passive", False):
+        with torch.overrides._pop_mode_temporarily():
+            return body(*args)
+    return body(*args)
+
+
+def _detached(a):
+    if isinstance(a, torch.Tensor):
+        return a.detach() if a.requires_grad else a
+    return tuple(map(_detached, a)) if type(a) is tuple else a
 
 
 def _compile_error(err: Exception) -> bool:
