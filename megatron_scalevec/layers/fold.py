@@ -55,6 +55,8 @@ def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
     n, (rows_out, width) = len(weights), weights[0].shape
     if out is None:
         out = weights[0].new_empty((n, rows_out, width))
+    if row is None and col is None:  # nothing to fold in: the weights stacked
+        return torch.stack(list(weights), out=out)
     compile.kernel(_fold_into, dynamic=False)(out, tuple(weights), row, col, layout)
     return out
 
@@ -148,14 +150,6 @@ class _FoldOncePerStep(torch.autograd.Function):
         return (d_row, d_col, None, None, None, *(_placeholder(w) for w in weights))
 
 
-def fold_once_per_step(weights, row, col, layout: tuple, step) -> torch.Tensor:
-    """[E, out, in]: the weights folded for one GEMM (a grouped GEMM) whose ``G`` the fold's
-    backward adds to each W's ``main_grad``, mapped once per step (:class:`_FoldOncePerStep`);
-    ``step``: (mode, StepMap), vectors [E, S, n]."""
-    row, col = _step_vectors(step[0], row, col)
-    return _FoldOncePerStep.apply(row, col, layout, (*step, False), True, *weights)
-
-
 def _step_vectors(mode: str, row, col) -> tuple:
     """The vectors a micro-batch's fold reads: detached but on the step's last micro-batch,
     whose map gives them their whole step's gradient."""
@@ -228,6 +222,18 @@ class FoldedWeights:
     def __call__(self, weights, row, col, layout) -> torch.Tensor:
         """[E, out, in] folded weights with autograd (:class:`Fold`)."""
         return self._held(Fold.apply(row, col, layout, *weights), weights, row, col, layout)
+
+    def stack(self, weights) -> torch.Tensor:
+        """[E, out, in]: the weights stacked with autograd, for a GEMM that saves its weight
+        (a grouped GEMM over experts' separate weights): released and restacked likewise."""
+        return self._held(torch.stack(list(weights)), weights, None, None, None)
+
+    def stacked_once_per_step(self, weights, row, col, layout, step) -> torch.Tensor:
+        """[E, out, in]: :meth:`once_per_step` as one stacked tensor, for a grouped GEMM whose
+        ``G`` the fold's backward adds to each W's ``main_grad``."""
+        row, col = _step_vectors(step[0], row, col)
+        w_eff = _FoldOncePerStep.apply(row, col, layout, (*step, False), True, *weights)
+        return self._held(w_eff, weights, row, col, layout)
 
     def once_per_step(self, weights, row, col, layout, step) -> list:
         """E weights [out, in] folded for GEMMs that accumulate ``G`` into each

@@ -167,6 +167,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         super().__init__(num_local_experts, config, submodules, pg_collection, name,
                          scalevec=scalevec)
         self._step_map = fold.StepMap()
+        self._folds = fold.FoldedWeights()  # the stacked weights grouped_mm keeps (forward)
         align = 16 // self.config.params_dtype.itemsize
         ffn = self.config.moe_ffn_hidden_size // sharding.group_size(self.tp_group)
         if self.config.hidden_size % align or ffn % align:
@@ -182,12 +183,13 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         fc1 = Fc1View(e.linear_fc1 for e in self.local_experts)
         weights = [f.weight for f in fc1.experts]  # read: ready() in forward
         if not fc1.has_scale_vectors:
-            return torch.stack(weights)
+            return self._folds.stack(weights)
         step = self._step_map.mode(*weights)
         if step is None:
-            return stacked_forward_weight(fc1, weights)
-        return fold.fold_once_per_step(weights, *fold_vectors(fc1, weights[0].shape[-1]),
-                                       fc1.layout, (step, self._step_map))
+            return stacked_forward_weight(fc1, weights, self._folds)
+        return self._folds.stacked_once_per_step(
+            weights, *fold_vectors(fc1, weights[0].shape[-1]), fc1.layout,
+            (step, self._step_map))
 
     def _activation(self, h: torch.Tensor, rows: glu.ExpertRows) -> torch.Tensor:
         experts, cfg = self.local_experts, self.config
@@ -225,15 +227,18 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         experts = self.local_experts
         # The experts' linears are read here, not called: their hooks first (sharding.ready)
         sharding.ready([m for e in experts for m in (e.linear_fc1, e.linear_fc2)])
-        with self.shared_vectors.computed_once() if self.shared_vectors is not None \
-                else contextlib.nullcontext():
-            h = grouped_linear(x, self._fc1_weight(), offs)  # [T, G*S*r]
+        # grouped_mm saves the [E, out, in] weight it is given: each stack (and fold) is
+        # released after its GEMM and rebuilt right before that GEMM's backward (fold.py)
+        with self._folds, self.shared_vectors.computed_once() \
+                if self.shared_vectors is not None else contextlib.nullcontext():
+            h = self._folds.release_until_backward(
+                grouped_linear(x, self._fc1_weight(), offs))  # [T, G*S*r]
             if experts[0].linear_fc1.bias is not None:
                 h = h + torch.stack([e.linear_fc1.bias for e in experts]).index_select(0, rows.ids)
             h = self._activation(h, rows)
-        h = (h * probs.unsqueeze(-1)).to(h.dtype)
-        w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, h, f]
-        out = grouped_linear(h, w2, offs)
+            h = (h * probs.unsqueeze(-1)).to(h.dtype)
+            w2 = self._folds.stack([e.linear_fc2.weight for e in experts])  # [E, h, f]
+            out = self._folds.release_until_backward(grouped_linear(h, w2, offs))
         if experts[0].linear_fc2.bias is not None:
             b2 = torch.stack([e.linear_fc2.bias for e in experts]).index_select(0, rows.ids)
             out = out + b2 * probs.unsqueeze(-1)

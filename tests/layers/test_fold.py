@@ -174,13 +174,12 @@ def _gemm_per_step(entry, x, weights, row, col, step_map):
     step = (step_map.mode(*weights), step_map)
     with fold.FoldedWeights() as folded:
         if entry == "stacked":
-            w_effs = fold.fold_once_per_step(weights, row, col, LAYOUT, step).unbind(0)
+            w_effs = folded.stacked_once_per_step(weights, row, col, LAYOUT, step).unbind(0)
         else:  # each W_eff carries its W's main_grad; G added there (no fused wgrad)
             w_effs = folded.once_per_step(weights, row, col, LAYOUT, (*step, False))
         y = torch.stack([x[e] @ w.t() for e, w in enumerate(w_effs)])
         y = folded.release_until_backward(y)
-    if entry == "per_weight":
-        assert w_effs[0].untyped_storage().nbytes() == 0  # released until the backward
+    assert w_effs[0].untyped_storage().nbytes() == 0  # released until the backward
     return y
 
 

@@ -200,3 +200,31 @@ def test_grouped_linear_matches_per_group_matmul_with_empty_group():
     assert torch.allclose(y, ref, atol=1e-6)
     y.sum().backward()  # expanded gradient: made contiguous before grouped_mm's backward
     assert w.grad[1].abs().max() == 0 and x.grad.shape == x.shape
+
+
+def _kept(rank, world):
+    from benchmarks.ledger import kept_bytes  # noqa: PLC0415
+
+    init_model_parallel()
+    batch = M.batches(1, 2)[0]
+    out = {}
+    for strategy in ("shared", "hg+dp", "unified"):
+        for grouped in (False, True):
+            model = M.build_gpt(moe_config(grouped, moe_layer_freq=1), strategy_config(
+                strategy, "per_expert"))
+            out[strategy, grouped] = kept_bytes(
+                lambda m=model: m(batch["tokens"], batch["position_ids"], None))
+            out["experts"] = sum(p.numel() * p.element_size() for n, p in
+                                 model.named_parameters() if ".experts." in n)
+    return out
+
+
+def test_grouped_experts_keep_no_stacked_weights():
+    """grouped_mm saves the [E, out, in] weight it multiplies: the stacked (and folded) expert
+    weights are released after each GEMM and rebuilt before its backward, so a forward keeps
+    what megatron-core's sequential experts keep (which multiply each weight itself), not a
+    copy of every expert's fc1 and fc2 per micro-batch."""
+    kept = run_on_ranks(_kept, 1)[0]
+    for strategy in ("shared", "hg+dp", "unified"):
+        extra = kept[strategy, True] - kept[strategy, False]
+        assert extra < kept["experts"] / 4, (strategy, extra, kept)
