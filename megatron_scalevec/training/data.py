@@ -235,6 +235,9 @@ def build_datasets(
         prefixes, weights = _parse_blend(data_path)
         for p in prefixes:  # every rank checks: a bad path fails everywhere, nobody hangs
             check_indexed_dataset(p)
+        # megatron-core keys its index cache (shared: ``cache``/indices) by the prefixes as
+        # given: a relative one would reuse another directory's same-named dataset's indices
+        prefixes = [os.path.abspath(p) for p in prefixes]
     tokenizer = SentencePieceTokenizer(tokenizer_model)
     config = GPTDatasetConfig(
         random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights),

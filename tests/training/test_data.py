@@ -272,3 +272,24 @@ def test_a_rank0_build_error_reaches_every_rank(tmp_path):
     missing = str(tmp_path / "no_such.model")
     with pytest.raises(RankError, match="no_such.model"):  # not a TimeoutError: nobody hangs
         run_on_ranks(_build_with, 2, str(tmp_path), missing, timeout=60)
+
+
+def test_same_named_datasets_in_two_directories_get_their_own_indices(
+        tmp_path, cache, tok_model, monkeypatch):
+    """megatron-core's sample-index cache (shared under cache_dir) is keyed by the data path:
+    ``--data-path my_text_document`` run in two directories with different corpora must not
+    reuse the other's indices (given as relative it did: the smaller corpus then read samples
+    past its end)."""
+    from megatron_scalevec.training.preprocess import preprocess  # noqa: PLC0415
+
+    docs = {"large": [{"text": "class A:\n    x = [i * i for i in range(99)]\n" * 30}] * 60,
+            "small": [{"text": "def f():\n    return 1\n"}] * 40}
+    for name, records in docs.items():
+        os.makedirs(tmp_path / name)
+        monkeypatch.chdir(tmp_path / name)
+        _write_jsonl("c.jsonl", records)
+        preprocess(["c.jsonl"], "my", tok_model, progress=False)
+        train, _, _ = data.build_datasets(["my_text_document"], tok_model, 16, 1, 50, 5,
+                                          split="90,10,0", cache_dir=cache)
+        for i in range(len(train)):  # every sample read from this directory's own data
+            assert train[i]["tokens"].shape == (16,), (name, i)
