@@ -211,7 +211,8 @@ class _Exponential(torch.autograd.Function):
     def backward(ctx, g):
         (gamma,) = ctx.saved_tensors
         h = g * gamma
-        t = ctx.t if ctx.t is not None else sharding.sum_in_place(_partial(ctx, g), ctx.group)
+        t = ctx.t if ctx.t is not None else sharding.sum_in_place(h.sum(-1, keepdim=True),
+                                                                     ctx.group)
         return h - t / ctx.m, t, None, None
 
 
