@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import pickle
 import socket
 import time
@@ -26,6 +27,12 @@ import torch.distributed as dist
 from megatron_scalevec.compat.cpu import enable_cpu_compat
 
 __all__ = ["RankError", "gather_full_tensor", "init_model_parallel", "run_on_ranks"]
+
+# Inductor compiles C++ on a thread pool that a fork does not reset (torch 2.13.0 clears its
+# process pool in the child, not ``AsyncCompile.pool()``): a rank forked after the parent
+# compiled anything waits forever on its own first compile (a TE FP8 scale update hung CI so).
+# One compile thread compiles in the calling thread, no pool. Read at the first compile.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _JOIN_GRACE_S = 10.0
 _FORK_HINT = (

@@ -114,3 +114,28 @@ def test_unpicklable_result_is_an_error():
     with pytest.raises(RankError, match="could not send the result back"):
         run_on_ranks(_unpicklable, 1)
     assert _no_children_left()
+
+
+
+def _mean_square(x):
+    return x.square().mean()
+
+
+def _mean_cube(x):  # never compiled by the parent: its rank compiles C++ of its own
+    return x.pow(3).mean()
+
+
+def _compile_in_fresh_cache(rank, world, cache):
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    return float(torch.compile(_mean_cube)(torch.linspace(0, 1, 1001)))
+
+
+def test_a_rank_compiles_after_its_parent_compiled(tmp_path, monkeypatch):
+    # inductor's compile thread pool, inherited from the parent without its threads, hung a
+    # rank's first compile (TE's FP8 scale update in CI); fresh caches make both compile C++
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "parent"))
+    x = torch.linspace(0, 1, 1001)
+    assert float(torch.compile(_mean_square)(x)) == pytest.approx(float(_mean_square(x)))
+    [got] = run_on_ranks(_compile_in_fresh_cache, 1, str(tmp_path / "rank"), timeout=90)
+    assert got == pytest.approx(float(_mean_cube(x)), rel=1e-5)
+    assert _no_children_left()
