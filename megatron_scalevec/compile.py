@@ -16,6 +16,7 @@ bodies whose shapes are the weights' (a few per model, never a token count).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -27,6 +28,7 @@ ENV = "MEGATRON_SCALEVEC_FUSED_COMPILE"
 MODES = ("auto", "on", "off")
 _mode = os.environ.get(ENV, "auto")
 _eager = False  # auto found no working compiler: eager for good
+_around_bodies = contextlib.nullcontext  # what each compiled body runs inside
 
 
 def set_mode(mode: str) -> None:
@@ -43,6 +45,14 @@ def mode() -> str:
 def _check(value: str, what: str) -> None:
     if value not in MODES:
         raise ValueError(f"{what} must be auto, on or off, got {value!r}")
+
+
+def run_bodies_inside(context) -> None:
+    """Run every compiled body inside ``context()``: how a compatibility layer steps out of
+    state that dynamo guards on but no body reads (compat/cpu.py: its device mode, on in
+    forward and off on autograd's backward thread, would compile each body twice)."""
+    global _around_bodies
+    _around_bodies = context
 
 
 def kernel(fn, dynamic: Optional[bool] = None):
@@ -94,19 +104,12 @@ def compiled(fn, dynamic: Optional[bool] = None):
 
 def _run(body, args):
     """``body(*args)`` so that its compiled code is found again, not compiled once more: dynamo
-    guards on each tensor's ``requires_grad`` and on the torch function modes that are on, and
-    neither concerns a body (plain tensor math, called inside autograd Functions, grad off).
-    Under no grad its tensors go in detached; a mode whose class sets ``kernel_passive`` (the
-    CPU layer's device mode, compat/cpu.py: on in forward, off on autograd's backward thread)
-    is popped around it. Private ``torch.overrides._get_current_function_mode_stack`` and
-    ``_pop_mode_temporarily``, checked on torch 2.13.0 (no public way to leave a mode)."""
+    guards on each tensor's ``requires_grad``, which no body reads (plain tensor math, called
+    inside autograd Functions, grad off): under no grad its tensors go in detached."""
     if not torch.is_grad_enabled():
         args = tuple(map(_detached, args))
-    modes = torch.overrides._get_current_function_mode_stack()
-    if modes and getattr(modes[-1], "kernel_passive", False):
-        with torch.overrides._pop_mode_temporarily():
-            return body(*args)
-    return body(*args)
+    with _around_bodies():
+        return body(*args)
 
 
 def _detached(a):

@@ -59,6 +59,9 @@ thread that runs megatron code.
     machine (CI's Python 3.12     imported by megatron-core 0.19, warnings to itself (errors
     leg)                          warns "No CUDA runtime is       still show)
                                   found" at import
+15  our fused kernel bodies       dynamo guards on the mode of   the bodies run outside the
+    compiled twice per shape      patch 1 (on in forward, off    mode (compile.run_bodies_inside)
+                                  on autograd's backward thread)
 ==  ============================  ==============================  ================================
 """
 
@@ -72,6 +75,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_scalevec import compile as fused_compile
 from megatron_scalevec.compat import mcore
 
 __all__ = ["enable_cpu_compat", "is_cpu_compat_enabled"]
@@ -98,11 +102,7 @@ def _cpu_type(t):
 
 
 class _CudaAsCpuMode(TorchFunctionMode):
-    """Map every CUDA device request to the CPU (patches 1, 2). The fused kernel bodies run
-    without it (``kernel_passive``, compile.py): they name no device, and it is on in
-    forward only, so dynamo would compile each body once with it and once without."""
-
-    kernel_passive = True
+    """Map every CUDA device request to the CPU (patches 1, 2)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -341,6 +341,20 @@ def _patch_megatron():
     strategy.save = save
 
 
+@contextlib.contextmanager
+def _outside_device_mode():
+    """The fused kernel bodies run without the device mode (patch 15): they name no device,
+    and it is on in forward only, so dynamo would compile each body once with it and once
+    without. Private ``torch.overrides._get_current_function_mode_stack`` and
+    ``_pop_mode_temporarily``, checked on torch 2.13.0 (no public way to leave a mode)."""
+    modes = torch.overrides._get_current_function_mode_stack()
+    if modes and isinstance(modes[-1], _CudaAsCpuMode):
+        with torch.overrides._pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
 def _enter_mode_in_this_thread():
     if not getattr(_TLS, "mode_on", False):
         _MODE.__enter__()
@@ -357,6 +371,7 @@ def enable_cpu_compat() -> bool:
             _patch_torch_cuda()
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # patch 14
             torch.distributed.all_gather = _uneven_all_gather(torch.distributed.all_gather)
+            fused_compile.run_bodies_inside(_outside_device_mode)  # patch 15
             with _eager_torch_compile():
                 _patch_megatron()
             _ENABLED = True
