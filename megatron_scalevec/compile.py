@@ -106,9 +106,9 @@ def _run(body, args):
     """``body(*args)`` so that its compiled code is found again, not compiled once more: dynamo
     guards on each tensor's ``requires_grad``, which no body reads (plain tensor math, called
     inside autograd Functions, grad off): under no grad its tensors go in detached."""
-    if not torch.is_grad_enabled():
-        args = tuple(map(_detached, args))
-    with _around_bodies():
+    with _around_bodies():  # first: a torch function mode also sees each requires_grad read
+        if not torch.is_grad_enabled():
+            args = tuple(map(_detached, args))
         return body(*args)
 
 

@@ -57,8 +57,8 @@ def expert_rows(counts, device=None, blocks: bool = True, total: Optional[int] =
     tensor, as the grouped experts' ``tokens_per_expert``: one non-blocking upload,
     :func:`device_counts`), or a tensor on ``device`` (nothing copied; give ``total``, the
     number of rows, or its sum is read back). Built on the device with host-known sizes only
-    (no sync): the blocks spanning experts are found from the experts' ends, at most E - 1,
-    padded to that fixed size (one shape per E)."""
+    (no sync): a block spans experts where its first and last rows' experts differ, at most
+    E - 1 blocks, padded to that fixed size (one shape per E)."""
     sizes = device_counts(counts, device)
     if total is None:
         total = sum(counts) if isinstance(counts, (list, tuple)) else int(counts.sum())
@@ -66,23 +66,19 @@ def expert_rows(counts, device=None, blocks: bool = True, total: Optional[int] =
     ids = torch.repeat_interleave(torch.arange(e, device=dev), sizes, output_size=n)
     if n == 0 or not blocks:
         return ExpertRows(ids, None, ids)
-    ends = sizes.cumsum(0)
     starts = torch.arange(0, n, BLOCK, device=dev)
-    first = torch.searchsorted(ends, starts, right=True)  # the expert of each block's rows
-    last = torch.searchsorted(ends, (starts + BLOCK - 1).clamp(max=n - 1), right=True)
-    # a block spans experts iff an expert's end falls strictly inside it: the (distinct)
-    # blocks of the inner ends, in order, then `none` (a sentinel) up to the fixed size
-    none = starts.numel()
-    cut = ends[:max(e - 1, 1)]
-    inner = (cut % BLOCK != 0) & (cut < n)
-    block = torch.where(inner, cut // BLOCK, -1)
-    seen = torch.cat([block.new_full((1,), -1), block[:-1].cummax(0).values])
-    span = torch.where(inner & (block > seen), block, none).sort().values
-    valid = (span < none)[:, None].expand(-1, BLOCK).flatten()
+    first, last = ids[starts], ids[(starts + BLOCK - 1).clamp(max=n - 1)]
+    inside = first == last  # ids are sorted: the block's rows are all that expert's
+    # the blocks spanning experts (at most E - 1: one per boundary) in order, then `none` (a
+    # sentinel block past the rows) up to that fixed size
+    none, k = starts.numel(), max(e - 1, 1)
+    candidates = torch.where(inside, none, torch.arange(none, device=dev))
+    span = torch.cat([candidates, candidates.new_full((k,), none)]).sort().values[:k]
     rows = (span[:, None] * BLOCK + torch.arange(BLOCK, device=dev)).flatten()
-    row_keys = torch.where(valid & (rows < n), torch.searchsorted(ends, rows, right=True), -1)
-    rows = torch.where(valid, rows.clamp(max=n - 1), 0)
-    return ExpertRows(ids, rows, torch.cat([torch.where(first == last, first, -1), row_keys]))
+    real = rows < n  # a sentinel's rows start at none * BLOCK >= n
+    rows = torch.where(real, rows, 0)
+    keys = torch.cat([torch.where(inside, first, -1), torch.where(real, ids[rows], -1)])
+    return ExpertRows(ids, rows, keys)
 
 
 def _act_and_grad(act, x):
