@@ -241,6 +241,29 @@ def test_step_map_in_place_matches_plain_torch(mode, compiles):
     assert _rel(w_eff[0], want.view_as(w)) < 1e-6
 
 
+@pytest.mark.parametrize("into", [False, True], ids=["fresh", "refold"])
+@pytest.mark.parametrize("vectors", ["both", "row", "col"])
+def test_fold_of_several_experts_matches_plain_torch(compiles, into, vectors):
+    """The compiled fold of 3 experts' weights, fresh and refolded into a released tensor's
+    storage (grouped experts), against W[e] * a[e, r] * gamma[e, in] per slot: each expert's
+    slice holds its own product, nothing of another's or of the old values."""
+    from megatron_scalevec.layers import fold  # noqa: PLC0415
+
+    torch.manual_seed(6)
+    ws = [torch.randn(12, 8) for _ in range(3)]  # layout: 1 group, 2 slots, 6 rows
+    row = torch.rand(3, 2, 6) + 0.5 if vectors != "col" else None
+    col = torch.rand(3, 2, 8) + 0.5 if vectors != "row" else None
+    one = torch.ones(3, 2, 6, 8)
+    scale = (one if row is None else row[..., None]) * (1 if col is None else col[:, :, None])
+    want = torch.stack(ws).view(3, 2, 6, 8) * scale
+    with _mode("on"), torch.no_grad():
+        out = torch.full((3, 12, 8), float("nan")) if into else None
+        got = fold.fold(ws, row, col, (1, 2, 6), out=out)
+    assert got.shape == (3, 12, 8) and (out is None or got is out)
+    assert _rel(got.view_as(want), want) < 1e-6
+    assert (fold._fold_one_into if into else fold._folded, False) in compiles
+
+
 def test_a_kernel_compiles_once_per_shape(compiles):
     """Inputs that require grad or not (inside autograd Functions, grad off) and the CPU
     layer's device mode (on in forward, off on autograd's backward thread) do not compile a
