@@ -26,7 +26,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 
 from benchmarks.heap import keep_freed_memory
 from megatron_scalevec import compile
-from megatron_scalevec.layers import fused, glu
+from megatron_scalevec.layers import fold, fused, glu
 
 
 def _glu_cases(label, rows, width, experts):
@@ -79,6 +79,23 @@ def _qkv_cases(seq, batch, groups, qpg, head_dim):
     return {"qkv stock": stock, "qkv dnp": dnp}
 
 
+def _fold_cases(experts, rows=2816, width=256):
+    weights = [torch.randn(rows // experts, width) for _ in range(experts)]
+    layout = (1, 2, rows // experts // 2)  # a GLU's fc1: gate and up slots
+    row, col = torch.rand(experts, 2, layout[2]) + 0.5, torch.rand(experts, 2, width) + 0.5
+    out = torch.empty(experts, rows // experts, width)
+
+    def run(fn):
+        def call():
+            with torch.no_grad():
+                fn()
+        return call
+
+    return {f"stack E={experts}": run(lambda: torch.stack(weights, out=out)),
+            f"fold E={experts}": run(lambda: fold.fold(weights, row, col, layout)),
+            f"refold E={experts}": run(lambda: fold.fold(weights, row, col, layout, out=out))}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=40)
@@ -95,7 +112,7 @@ def main(argv=None) -> None:
     # the benchmark's model: seq 256 x micro-batch 4 tokens, ffn 704 (experts: top-2 of 4,
     # width 352), 8 heads of 32 in 4 groups
     cases = {**_glu_cases("glu", 1024, 704, 1), **_qkv_cases(256, 4, 4, 2, 32),
-             **_glu_cases("experts", 2048, 352, 4)}
+             **_glu_cases("experts", 2048, 352, 4), **_fold_cases(4), **_fold_cases(16)}
     for fn in cases.values():
         for _ in range(3):
             fn()
@@ -110,7 +127,8 @@ def main(argv=None) -> None:
     print("| kernel (forward + backward) | median ms | vs |  ratio |")
     print("|---|---|---|---|")
     against = {"glu dnp": "glu stock", "qkv dnp": "qkv stock", "experts dnp": "experts stock",
-               "experts by row": "experts dnp", "experts blocks": "experts dnp"}
+               "experts by row": "experts dnp", "experts blocks": "experts dnp",
+               **{f"{k} E={e}": f"stack E={e}" for k in ("fold", "refold") for e in (4, 16)}}
     for name, t in times.items():
         ref = against.get(name)
         ratio = (f"{statistics.median(a / b for a, b in zip(t, times[ref])):.3f}"

@@ -277,9 +277,10 @@ def test_kernel_benchmark_prints_every_kernel_and_ratio(capsys):
             if line.startswith("| ") and "median" not in line]
     names = [r[0].strip() for r in rows]
     assert names == ["glu stock", "glu dnp", "qkv stock", "qkv dnp", "experts stock",
-                     "experts dnp", "experts by row", "experts blocks"], names
+                     "experts dnp", "experts by row", "experts blocks",
+                     *(f"{k} E={e}" for e in (4, 16) for k in ("stack", "fold", "refold"))], names
     ratios = [float(r[3]) for r in rows if r[3].strip()]
-    assert len(ratios) == 5 and all(0 < q < 100 for q in ratios), rows
+    assert len(ratios) == 9 and all(0 < q < 100 for q in ratios), rows
 
 
 def test_glu_norm_keeps_widths_static_for_compile():
