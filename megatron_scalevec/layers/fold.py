@@ -49,34 +49,25 @@ def _shape(n_experts: int, layout: tuple, width: int) -> tuple:
 
 def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[E, out, in]: each weight folded with its expert's vectors (into ``out`` if given).
-    Fused kernel bodies (compile.py, compiled with the weights' shapes): each weight read
-    once, each expert's slice written once, no weight-sized scale in between. Into ``out``
-    (a refold) one call per expert: one body writing every expert's slice of ``out`` compiles
-    to a chain of slice updates in which every element reads every expert's weight and
-    ``out``'s old values (torch 2.13's inductor)."""
+    """[E, out, in]: each weight folded with its expert's vectors (into ``out`` if given). One
+    fused kernel body (compile.py, compiled with the weights' shapes): each weight read once,
+    each expert's slice written once, no weight-sized scale in between. The slices go in as
+    E separate tensors: one body writing every expert's slice of one output compiles to a chain
+    of slice updates in which every element reads every expert's weight and the output's old
+    values (torch 2.13's inductor); E inputs that do not overlap are written independently."""
+    if out is None:
+        out = weights[0].new_empty((len(weights), *weights[0].shape))
     if row is None and col is None:  # nothing to fold in: the weights stacked
         return torch.stack(list(weights), out=out)
-    if out is None:  # a fresh tensor: each expert's product stored straight into its slice
-        return compile.kernel(_folded, dynamic=False)(tuple(weights), row, col, layout)
-    body = compile.kernel(_fold_one_into, dynamic=False)
-    for e, w in enumerate(weights):
-        body(out[e], w, None if row is None else row[e], None if col is None else col[e],
-             layout)
+    compile.kernel(_fold_into, dynamic=False)(out.unbind(0), tuple(weights), row, col, layout)
     return out
 
 
-def _folded(weights, row, col, layout) -> torch.Tensor:
+def _fold_into(outs, weights, row, col, layout) -> None:
     scale, width = _scale(row, col, weights[0].dtype), weights[0].shape[-1]
-    return torch.stack([w.view(_shape(1, layout, width))[0] * scale[e]
-                        for e, w in enumerate(weights)]).view(len(weights), *weights[0].shape)
-
-
-def _fold_one_into(out, weight, row, col, layout) -> None:
-    width = weight.shape[-1]
-    scale = _scale(single(row), single(col), weight.dtype)[0]
-    out.view(_shape(1, layout, width)[1:]).copy_(weight.view(_shape(1, layout, width))[0]
-                                                 * scale)
+    for e, (o, w) in enumerate(zip(outs, weights)):
+        o.view(_shape(1, layout, width)[1:]).copy_(w.view(_shape(1, layout, width))[0]
+                                                   * scale[e])
 
 
 def fold_grads(grad: torch.Tensor, weights: Sequence[torch.Tensor], row, col, layout: tuple,
