@@ -18,6 +18,7 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 
@@ -27,12 +28,6 @@ import torch.distributed as dist
 from megatron_scalevec.compat.cpu import enable_cpu_compat
 
 __all__ = ["RankError", "gather_full_tensor", "init_model_parallel", "run_on_ranks"]
-
-# Inductor compiles C++ on a thread pool that a fork does not reset (torch 2.13.0 clears its
-# process pool in the child, not ``AsyncCompile.pool()``): a rank forked after the parent
-# compiled anything waits forever on its own first compile (a TE FP8 scale update hung CI so).
-# One compile thread compiles in the calling thread, no pool. Read at the first compile.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _JOIN_GRACE_S = 10.0
 _FORK_HINT = (
@@ -56,9 +51,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _compile_in_this_thread() -> None:
+    """Inductor compiles C++ on a thread pool that a fork does not reset (torch 2.13.0 clears
+    its process pool in the child, not ``AsyncCompile.pool()``): a rank forked after the parent
+    compiled anything waited forever on its own first compile (TE's FP8 scale update hung CI
+    so). The rank compiles in its own thread instead: ``compile_threads`` of the private
+    ``torch._inductor.config`` where the parent has decided it already, else the public
+    ``TORCHINDUCTOR_COMPILE_THREADS`` (read at the first compile)."""
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.compile_threads = 1
+
+
 def _rank_main(conn, fn, rank, world_size, port, timeout, args, kwargs):
     initialized = False
     try:
+        _compile_in_this_thread()
         torch.set_num_threads(1)
         enable_cpu_compat()
         dist.init_process_group(
