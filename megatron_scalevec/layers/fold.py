@@ -64,10 +64,9 @@ def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
 
 
 def _fold_into(outs, weights, row, col, layout) -> None:
-    scale, width = _scale(row, col, weights[0].dtype), weights[0].shape[-1]
+    scale, shape = _scale(row, col, weights[0].dtype), _shape(1, layout, weights[0].shape[-1])[1:]
     for e, (o, w) in enumerate(zip(outs, weights)):
-        o.view(_shape(1, layout, width)[1:]).copy_(w.view(_shape(1, layout, width))[0]
-                                                   * scale[e])
+        o.view(shape).copy_(w.view(shape) * scale[e])
 
 
 def fold_grads(grad: torch.Tensor, weights: Sequence[torch.Tensor], row, col, layout: tuple,
