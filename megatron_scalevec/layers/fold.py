@@ -50,7 +50,8 @@ def _shape(n_experts: int, layout: tuple, width: int) -> tuple:
 def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
          out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[E, out, in]: each weight folded with its expert's vectors (into ``out`` if given). One
-    fused kernel body (compile.py, compiled with the weights' shapes): each weight read once,
+    weight with one side's vectors: one multiply. Else one fused kernel body (compile.py,
+    compiled with the weights' shapes): each weight read once,
     each expert's slice written once, no weight-sized scale in between. The slices go in as
     E separate tensors: one body writing every expert's slice of one output compiles to a chain
     of slice updates in which every element reads every expert's weight and the output's old
@@ -59,6 +60,14 @@ def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
         out = weights[0].new_empty((len(weights), *weights[0].shape))
     if row is None and col is None:  # nothing to fold in: the weights stacked
         return torch.stack(list(weights), out=out)
+    if len(weights) == 1 and (row is None or col is None):
+        # one weight, one side (HG alone; DP alone): one broadcast multiply is already that
+        # single pass, at a fraction of a compiled call's host cost
+        (w,), (groups, slots, rows) = weights, layout
+        scale = col.view(slots, 1, -1) if row is None else row.view(slots, rows, 1)
+        torch.mul(w.view(groups, slots, rows, -1), scale.to(w.dtype),
+                  out=out.view(groups, slots, rows, -1))
+        return out
     compile.kernel(_fold_into, dynamic=False)(out.unbind(0), tuple(weights), row, col, layout)
     return out
 

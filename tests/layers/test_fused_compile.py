@@ -264,6 +264,32 @@ def test_fold_of_several_experts_matches_plain_torch(compiles, into, vectors):
     assert (fold._fold_into, False) in compiles
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("side", ["row", "col"])
+def test_a_one_sided_fold_of_one_weight_is_one_multiply(compiles, side, dtype):
+    """HG alone (``unified``'s every dense fold) or DP alone on one weight: one broadcast
+    multiply, already one pass, with no compiled call (its host cost was most of a small
+    model's fold), fresh and into a released tensor's storage, against plain torch (the
+    vector cast to the weight's dtype first, as the compiled body does)."""
+    from megatron_scalevec.layers import fold  # noqa: PLC0415
+
+    torch.manual_seed(7)
+    groups, slots, rows, width = 2, 3, 4, 8
+    w = torch.randn(groups * slots * rows, width).to(dtype)
+    row = torch.rand(1, slots, rows) + 0.5 if side == "row" else None
+    col = torch.rand(1, slots, width) + 0.5 if side == "col" else None
+    w4 = w.view(groups, slots, rows, width)
+    want = w4 * (row[0, :, :, None] if col is None else col[0, :, None, :]).to(dtype)
+    with _mode("on"), torch.no_grad():
+        fresh = fold.fold([w], row, col, (groups, slots, rows))
+        out = torch.full((1, *w.shape), float("nan"), dtype=dtype)
+        into = fold.fold([w], row, col, (groups, slots, rows), out=out)
+    assert into is out and fresh.dtype == dtype
+    for got in (fresh, into):
+        assert torch.equal(got[0], want.view_as(w))
+    assert compiles == []
+
+
 def test_a_kernel_compiles_once_per_shape(compiles):
     """Inputs that require grad or not (inside autograd Functions, grad off) and the CPU
     layer's device mode (on in forward, off on autograd's backward thread) do not compile a
