@@ -51,6 +51,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _start_autograd_without_device_threads() -> None:
+    """torch's autograd engine decides once, at a process's first backward, whether to start
+    per-device worker threads, from the devices counted then; once it has, every child the
+    process forks refuses its own backward ("autograd's threading in combination with
+    fork-based multiprocessing"). torch's CUDA build (2.13.0, Python 3.12 here) counts a
+    device after a ``torch.compile`` even with no GPU: a test that compiled before the parent's
+    first backward broke every later rank's backward. One backward at import, before anything
+    compiles, settles it with none."""
+    torch.ones(1, requires_grad=True).sum().backward()
+
+
+_start_autograd_without_device_threads()
+
+
 def _compile_in_this_thread() -> None:
     """Inductor compiles C++ on a thread pool that a fork does not reset (torch 2.13.0 clears
     its process pool in the child, not ``AsyncCompile.pool()``): a rank forked after the parent

@@ -2,6 +2,8 @@
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 import psutil
@@ -139,3 +141,31 @@ def test_a_rank_compiles_after_its_parent_compiled(tmp_path, monkeypatch):
     [got] = run_on_ranks(_compile_in_fresh_cache, 1, str(tmp_path / "rank"), timeout=90)
     assert got == pytest.approx(float(_mean_cube(x)), rel=1e-5)
     assert _no_children_left()
+
+
+_COMPILE_BACKWARD_THEN_FORK = """
+import torch
+from scalevec_testing import run_on_ranks
+
+
+def backward(rank, world):
+    x = torch.ones(3, requires_grad=True)
+    (x * 2).sum().backward()
+    return float(x.grad.sum())
+
+
+x = torch.ones(3, requires_grad=True)
+torch.compile(lambda t: t * 3)(x).sum().backward()  # the parent's first backward, compiled
+print(run_on_ranks(backward, 1, timeout=60))
+"""
+
+
+def test_a_rank_runs_backward_after_its_parent_compiled_one(tmp_path):
+    # a fresh process (this one has run backwards already): torch's CUDA build started autograd
+    # device threads at a first backward after a compile, and forked ranks refused theirs
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _COMPILE_BACKWARD_THEN_FORK], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[6.0]"
