@@ -191,6 +191,8 @@ class ScaleVecLinearMixin:
         vecs = list(vectors.values())
         src = stacked(vecs) if len(vecs) > 1 else vecs[0]()
         if step == "accumulate":
+            # the same tensor, unchanged in place since (a parameter returned as is may be):
+            # Tensor._version, torch's private in-place counter (checked on torch 2.13.0)
             kept = self._step_slots.get(id(vectors))
             if kept is not None and kept[0] is src and kept[1] == src._version:
                 return kept[2]
