@@ -84,13 +84,7 @@ def _fold_cases(experts, rows=2816, width=256):
     layout = (1, 2, rows // experts // 2)  # a GLU's fc1: gate and up slots
     row, col = torch.rand(experts, 2, layout[2]) + 0.5, torch.rand(experts, 2, width) + 0.5
     out = torch.empty(experts, rows // experts, width)
-
-    def run(fn):
-        def call():
-            with torch.no_grad():
-                fn()
-        return call
-
+    run = torch.no_grad()  # as the model folds: inside autograd Functions
     return {f"stack E={experts}": run(lambda: torch.stack(weights, out=out)),
             f"fold E={experts}": run(lambda: fold.fold(weights, row, col, layout)),
             f"refold E={experts}": run(lambda: fold.fold(weights, row, col, layout, out=out))}

@@ -29,13 +29,11 @@ from megatron_scalevec import compile, steps
 
 def _scale(row, col, dtype) -> torch.Tensor:
     """[E, 1, S, r|1, in|1]: ``a[r] * gamma[in]`` per slot (computed in float32)."""
-    if row is not None and col is not None:
-        scale = row[..., None] * col[:, :, None, :]
-    elif col is not None:
-        scale = col[:, :, None, :]
-    else:
-        scale = row[..., None]
-    return scale[:, None].to(dtype)
+    if col is None:
+        return row[:, None, :, :, None].to(dtype)
+    if row is None:
+        return col[:, None, :, None, :].to(dtype)
+    return (row[:, None, :, :, None] * col[:, None, :, None, :]).to(dtype)
 
 
 def single(vec: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -63,10 +61,8 @@ def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
     if len(weights) == 1 and (row is None or col is None):
         # one weight, one side (HG alone; DP alone): one broadcast multiply is already that
         # single pass, at a fraction of a compiled call's host cost
-        (w,), (groups, slots, rows) = weights, layout
-        scale = col.view(slots, 1, -1) if row is None else row.view(slots, rows, 1)
-        torch.mul(w.view(groups, slots, rows, -1), scale.to(w.dtype),
-                  out=out.view(groups, slots, rows, -1))
+        (w,), shape = weights, _shape(1, layout, weights[0].shape[-1])
+        torch.mul(w.view(shape), _scale(row, col, w.dtype), out=out.view(shape))
         return out
     compile.kernel(_fold_into, dynamic=False)(out.unbind(0), tuple(weights), row, col, layout)
     return out
