@@ -154,6 +154,7 @@ class ScaleVecLinearMixin:
                 mask = torch.tensor([[float(slot == name)] for slot in self.slots])
                 self.register_buffer(f"_slot_mask_{name}", mask, persistent=False)
         self._has_vectors = bool(in_vec or out_vec)
+        self._step_slots: dict = {}  # _slot_stack's once-per-step results
         self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, is_expert) else None
         if self.vectors_from is not None:
             return  # lent by the layer's ExpertSharedVectors
@@ -178,14 +179,24 @@ class ScaleVecLinearMixin:
     def has_scale_vectors(self) -> bool:
         return self._has_vectors
 
-    def _slot_stack(self, vectors: torch.nn.ModuleDict, width: int) -> Optional[torch.Tensor]:
-        """[S, width] gamma per slot (ones for a branch without vector), None if no vector."""
+    def _slot_stack(self, vectors: torch.nn.ModuleDict, width: int,
+                    step: Optional[str] = None) -> Optional[torch.Tensor]:
+        """[S, width] gamma per slot (ones for a branch without vector), None if no vector.
+        ``step == "accumulate"`` (a micro-batch whose fold gets no vector gradient): detached,
+        and built once per step: the vectors give the same tensor all step (vectors.py)."""
         if len(vectors) == 0:
             return None
         # one projection's vectors are alike (same size, parameterization, placement): one
         # batched evaluation (vectors.stacked) rather than one per branch
         vecs = list(vectors.values())
-        values = stacked(vecs).unbind(0) if len(vecs) > 1 else [vecs[0]()]
+        src = stacked(vecs) if len(vecs) > 1 else vecs[0]()
+        if step == "accumulate":
+            # the same tensor, unchanged in place since (a parameter returned as is may be):
+            # Tensor._version, torch's private in-place counter (checked on torch 2.13.0)
+            kept = self._step_slots.get(id(vectors))
+            if kept is not None and kept[0] is src and kept[1] == src._version:
+                return kept[2]
+        values = src.unbind(0) if len(vecs) > 1 else [src]
         per_branch = dict(zip(vectors.keys(), values))
         ref = next(iter(per_branch.values()))
         ones = None
@@ -196,13 +207,18 @@ class ScaleVecLinearMixin:
                 ones = ones if ones is not None else ref.new_ones(width)
                 g = ones
             rows.append(g)
-        return torch.stack(rows)
+        if step != "accumulate":
+            return torch.stack(rows)
+        out = torch.stack(rows).detach()
+        self._step_slots[id(vectors)] = (src, src._version, out)
+        return out
 
-    def fold_vectors(self):
-        """(row [S, r] or None, col [S, in] or None): the slot vectors of the fold."""
+    def fold_vectors(self, step: Optional[str] = None):
+        """(row [S, r] or None, col [S, in] or None): the slot vectors of the fold, for a
+        micro-batch of ``step`` mode (fold.StepMap: detached on an accumulating one)."""
         vectors = vectors_of(self)
-        return (self._slot_stack(vectors.scale_out, self.rows),
-                self._slot_stack(vectors.scale_in, self._scale_in_size))
+        return (self._slot_stack(vectors.scale_out, self.rows, step),
+                self._slot_stack(vectors.scale_in, self._scale_in_size, step))
 
     @property
     def fold_layout(self) -> tuple:
@@ -292,9 +308,7 @@ class ScaleVecColumnParallelLinear(ScaleVecLinearMixin, ColumnParallelLinear):
         if grad_output_buffer is not None:
             raise NotImplementedError("deferred wgrad compute with folded scale vectors")
         mode = self._step_map.mode(weight)
-        row, col = self.fold_vectors()
-        if mode == "accumulate":  # this micro-batch's vector gradient comes with the map
-            row, col = (None if v is None else v.detach() for v in (row, col))
+        row, col = self.fold_vectors(mode)  # accumulate: the vector gradient comes with the map
         return _FoldedLinear.apply(input, weight, row, col, bias, self.fold_layout,
                                    allreduce_dgrad, sequence_parallel, tp_group,
                                    None if mode is None else (mode, self._step_map))

@@ -195,7 +195,7 @@ class FoldedTELinear(ScaleVecLinearMixin):
         if not self.has_scale_vectors:
             return weights
         self._fold_seen = True
-        row, col = self.fold_vectors()
+        row, col = self.fold_vectors(self._step)
         if self._step is None:
             return [self._folds([weights[0]], fold.single(row), fold.single(col),
                                 self.fold_layout)[0]]
