@@ -2,8 +2,9 @@
 
 Forking skips the interpreter start and the torch/megatron imports (about 1 s per layout instead
 of 9-20 s with ``torchrun``). Each rank runs ``fn(rank, world_size, *args, **kwargs)`` with the
-CPU compatibility layer enabled and one intra-op thread; return values come back to the parent
-through a pipe, ordered by rank.
+CPU compatibility layer enabled, one intra-op thread and gloo groups with one worker thread
+(:func:`_one_gloo_worker_thread`); return values come back to the parent through a pipe,
+ordered by rank.
 
 The parent must never have created a gloo process group itself (not even one it destroyed
 since): gloo keeps process-wide transport state, and forked children then abort or segfault
@@ -78,12 +79,45 @@ def _compile_in_this_thread() -> None:
         config.compile_threads = 1
 
 
+def _one_gloo_worker_thread() -> None:
+    """Every gloo group this rank creates runs one worker thread (torch's default is two), so
+    a group's async collectives run one at a time, in the order they were issued. A rank's
+    heap was corrupted now and then while megatron-core's overlapped parameter all-gathers
+    were in flight together on two threads (torch 2.13.0; glibc's "malloc_consolidate():
+    unaligned fastbin chunk detected" abort, or a segfault in ``_coalescing_manager``), in
+    tests/parity/test_overlap.py's grouped-experts cases: 2 of 8 runs of that file, once in 4
+    full suites, with both ranks issuing the same collectives in the same order. Not proven
+    the cause (rare: none in 14 runs since with one thread, none in 8 with two). NCCL, the
+    path users train on, has no such pool. Private: the name ``distributed_c10d.
+    ProcessGroupGloo``, through which ``_new_process_group_helper`` builds gloo groups, and
+    ``ProcessGroupGloo._Options`` (``_threads``, ``_timeout``, ``_devices``), checked on torch
+    2.13.0."""
+    from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "one_worker_thread", False):
+        return
+
+    class OneThreadGloo(base):
+        one_worker_thread = True
+
+        def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+            options = base._Options()
+            options._timeout = timeout
+            options._threads = 1
+            options._devices = [base.create_default_device()]
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneThreadGloo
+
+
 def _rank_main(conn, fn, rank, world_size, port, timeout, args, kwargs):
     initialized = False
     try:
         _compile_in_this_thread()
         torch.set_num_threads(1)
         enable_cpu_compat()
+        _one_gloo_worker_thread()
         dist.init_process_group(
             "gloo",
             rank=rank,

@@ -63,6 +63,21 @@ def test_reinitialize_layouts_in_one_group_and_gather():
         assert torch.equal(full, torch.tensor([[0.0] * 3 + [1.0] * 3] * 2))
 
 
+def _gloo_threads(rank, world):
+    init_model_parallel()
+    groups = (dist.distributed_c10d._get_default_group(), parallel_state.get_data_parallel_group(),
+              parallel_state.get_tensor_model_parallel_group())
+    return [g._get_backend(torch.device("cpu")).options._threads for g in groups]
+
+
+def test_a_ranks_gloo_groups_run_one_worker_thread():
+    """Async collectives on torch's two gloo threads corrupted a rank's heap now and then
+    (scalevec_testing/distributed.py ``_one_gloo_worker_thread``): the default group and
+    megatron-core's groups alike run one."""
+    for threads in run_on_ranks(_gloo_threads, 2):
+        assert threads == [1, 1, 1]
+
+
 def _raise_on_rank_one(rank, world):
     if rank == 1:
         raise ValueError("boom-42 from the rank")
