@@ -94,13 +94,9 @@ def _one_gloo_worker_thread() -> None:
     2.13.0."""
     from torch.distributed import distributed_c10d as c10d  # noqa: PLC0415
 
-    base = c10d.ProcessGroupGloo
-    if getattr(base, "one_worker_thread", False):
-        return
+    base = c10d.ProcessGroupGloo  # a fresh rank's: the parent never builds a gloo group
 
     class OneThreadGloo(base):
-        one_worker_thread = True
-
         def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
             options = base._Options()
             options._timeout = timeout
