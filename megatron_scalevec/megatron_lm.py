@@ -36,6 +36,7 @@ Megatron-LM checkpoints: resume with the same environment.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -266,6 +267,41 @@ def wrap_training_log(original):
 
     setattr(training_log, _MARK, original)
     return training_log
+
+
+# --------------------------------------------------------------------------- block
+BLOCK_HOOK = ("megatron.core.transformer.transformer_block", "_get_block_submodules")
+
+
+def wrap_block_submodules(original):
+    """megatron-core's ``_get_block_submodules(config, spec, vp_stage, pp_rank)`` (private,
+    called by ``TransformerBlock.__init__``; the same signature in 0.16.1 and 0.19.2) that
+    sizes our lazy block spec for the chunk being built: Megatron-LM passes ``vp_stage`` to
+    the model provider and on to the block, never to parallel_state, and hands every chunk the
+    same spec object. Any other spec goes to the original."""
+    from megatron_scalevec.specs import ScaleVecBlockSubmodules  # noqa: PLC0415
+
+    @functools.wraps(original)
+    def _get_block_submodules(config, spec, vp_stage=None, pp_rank=None):
+        sub = getattr(spec, "submodules", None)
+        if isinstance(sub, ScaleVecBlockSubmodules):
+            return sub.resolve(config, vp_stage, pp_rank)
+        return original(config, spec, vp_stage, pp_rank)
+
+    setattr(_get_block_submodules, _MARK, original)
+    return _get_block_submodules
+
+
+def install_block_hook() -> bool:
+    """Install :func:`wrap_block_submodules` (idempotent); False where megatron-core lacks it
+    (the lazy spec then refuses to build, specs._build_context)."""
+    module = importlib.import_module(BLOCK_HOOK[0])
+    fn = getattr(module, BLOCK_HOOK[1], None)
+    if fn is None:
+        return False
+    if not hasattr(fn, _MARK):
+        setattr(module, BLOCK_HOOK[1], wrap_block_submodules(fn))
+    return True
 
 
 # --------------------------------------------------------------------------- install

@@ -19,5 +19,6 @@ from megatron_scalevec import megatron_lm
 scalevec_dense, scalevec_moe = megatron_lm.spec_objects()
 
 if "megatron.training" in sys.modules:  # imported by Megatron-LM's --spec
+    megatron_lm.install_block_hook()  # each model chunk's layers for its own stage
     megatron_lm.install()
     megatron_lm.refuse_unsupported_args()  # before Megatron-LM builds the model

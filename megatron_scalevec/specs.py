@@ -4,10 +4,11 @@
 * :func:`get_scalevec_block_spec` -- the layers of one pipeline stage (dense or MoE per layer
   from ``config.moe_layer_freq``) plus our final norm, for ``GPTModel(transformer_layer_spec=)``.
 * ``scalevec_dense`` / ``scalevec_moe`` -- a ``ModuleSpec`` of ``TransformerBlock`` whose
-  submodules are sized lazily when the block is built, from the config registered with
-  :func:`building` (our trainer) or from Megatron-LM's parsed args (Megatron-LM's ``--spec``
-  names :mod:`megatron_scalevec.megatron_lm_spec`, which re-exports them and installs the
-  hooks; this module has no side effects on import and imports no installer).
+  submodules are sized when the block is built, for its config and pipeline stage: by the
+  config registered with :func:`building` (our trainer), or by the hook that Megatron-LM's
+  ``--spec`` module (:mod:`megatron_scalevec.megatron_lm_spec`) installs where megatron-core's
+  TransformerBlock receives ``vp_stage``; this module has no side effects on import and
+  imports no installer.
   A layer-only spec would get megatron-core's default final norm, which has a plain gamma and
   refuses sequence parallelism, hence a block spec.
 * :func:`scalevec_moe_spec` / :func:`scalevec_dense_spec` -- the same as callables of the
@@ -21,7 +22,6 @@ import functools
 import sys
 from typing import Optional, Union
 
-from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -260,39 +260,47 @@ def building(config, vp_stage: Optional[int] = None):
 
 
 def _build_context():
+    """The (config, vp_stage) a lazy spec read outside a block's construction is sized from."""
     if _BUILD_STACK:
         return _BUILD_STACK[-1]
-    try:  # Megatron-LM: the spec module is imported after its arguments are parsed.
-        from megatron.training import get_args  # noqa: PLC0415
-
-        args = get_args()
-    except Exception:  # noqa: BLE001 -- any failure means "not inside Megatron-LM"
-        args = None
-    if args is None:
+    if MEGATRON_LM_SPEC_MODULE in sys.modules:  # Megatron-LM: its hook sizes the block
         raise RuntimeError(
-            "a lazy scale-vector block spec was built outside a build context: wrap the model "
-            "construction in `with megatron_scalevec.specs.building(config):` or use "
-            "get_scalevec_block_spec(config, ...)")
-    if MEGATRON_LM_SPEC_MODULE not in sys.modules:  # e.g. the pre-0.2 `--spec ...specs ...`
+            "megatron_scalevec: this megatron-core builds TransformerBlock without "
+            "transformer_block._get_block_submodules(config, spec, vp_stage, pp_rank), where "
+            "megatron_scalevec.megatron_lm installs the hook that sizes our block for its "
+            "pipeline stage; megatron-core 0.16.1 to 0.19.x have it")
+    if "megatron.training" in sys.modules:  # e.g. the pre-0.2 `--spec ...specs ...`
         raise RuntimeError(
             f"inside Megatron-LM pass `--spec {MEGATRON_LM_SPEC_MODULE} scalevec_moe` (or "
-            f"scalevec_dense): megatron_scalevec.specs installs no IWD or statistics hooks, "
-            f"so the run would silently use Megatron's own weight decay")
-    from megatron.training.arguments import core_transformer_config_from_args  # noqa: PLC0415
-
-    return core_transformer_config_from_args(args), \
-        parallel_state.get_virtual_pipeline_model_parallel_rank()
+            f"scalevec_dense): megatron_scalevec.specs installs no IWD, statistics or "
+            f"pipeline-stage hooks")
+    raise RuntimeError(
+        "a lazy scale-vector block spec was built outside a build context: wrap the model "
+        "construction in `with megatron_scalevec.specs.building(config, vp_stage):` or use "
+        "get_scalevec_block_spec(config, ...)")
 
 
 class ScaleVecBlockSubmodules(TransformerBlockSubmodules):
-    """Block submodules sized when read: the layer list depends on the config and stage."""
+    """Block submodules sized when built: the layer list depends on the config and the stage.
+
+    Megatron-LM hands one spec object to every model chunk; the stage each chunk builds is
+    known only where megatron-core's TransformerBlock receives ``vp_stage``, so there
+    :mod:`megatron_scalevec.megatron_lm`'s hook calls :meth:`resolve` (never parallel_state's
+    virtual rank, which Megatron-LM does not set). Our trainer registers the config and stage
+    with :func:`building` instead.
+    """
 
     def __init__(self, scalevec: StrategyLike):  # noqa: D107 -- not a dataclass init
         self.scalevec = as_config(scalevec)
 
+    def resolve(self, config, vp_stage: Optional[int] = None,
+                pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+        """This stage's layers and final norm (megatron-core's block hook and building())."""
+        return get_scalevec_block_spec(config, self.scalevec, vp_stage, pp_rank)
+
     def _resolve(self) -> TransformerBlockSubmodules:
         config, vp_stage = _build_context()
-        return get_scalevec_block_spec(config, self.scalevec, vp_stage)
+        return self.resolve(config, vp_stage)
 
     @property
     def layer_specs(self):
@@ -300,7 +308,7 @@ class ScaleVecBlockSubmodules(TransformerBlockSubmodules):
 
     @property
     def layer_norm(self):
-        return norm_spec(self.scalevec, "final")
+        return self._resolve().layer_norm
 
     def __repr__(self) -> str:
         return f"ScaleVecBlockSubmodules({self.scalevec.to_string()!r})"

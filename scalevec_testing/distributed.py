@@ -3,7 +3,7 @@
 Forking skips the interpreter start and the torch/megatron imports (about 1 s per layout instead
 of 9-20 s with ``torchrun``). Each rank runs ``fn(rank, world_size, *args, **kwargs)`` with the
 CPU compatibility layer enabled, one intra-op thread and gloo groups with one worker thread
-(:func:`_one_gloo_worker_thread`); return values come back to the parent through a pipe,
+(:func:`one_gloo_worker_thread`); return values come back to the parent through a pipe,
 ordered by rank.
 
 The parent must never have created a gloo process group itself (not even one it destroyed
@@ -79,7 +79,7 @@ def _compile_in_this_thread() -> None:
         config.compile_threads = 1
 
 
-def _one_gloo_worker_thread() -> None:
+def one_gloo_worker_thread() -> None:
     """Every gloo group this rank creates runs one worker thread (torch's default is two), so
     a group's async collectives run one at a time, in the order they were issued. A rank's
     heap was corrupted now and then while megatron-core's overlapped parameter all-gathers
@@ -113,7 +113,7 @@ def _rank_main(conn, fn, rank, world_size, port, timeout, args, kwargs):
         _compile_in_this_thread()
         torch.set_num_threads(1)
         enable_cpu_compat()
-        _one_gloo_worker_thread()
+        one_gloo_worker_thread()
         dist.init_process_group(
             "gloo",
             rank=rank,

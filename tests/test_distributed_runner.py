@@ -72,7 +72,7 @@ def _gloo_threads(rank, world):
 
 def test_a_ranks_gloo_groups_run_one_worker_thread():
     """The default group and megatron-core's groups alike run one gloo worker thread
-    (scalevec_testing/distributed.py ``_one_gloo_worker_thread``: why)."""
+    (scalevec_testing/distributed.py ``one_gloo_worker_thread``: why)."""
     for threads in run_on_ranks(_gloo_threads, 2):
         assert threads == [1, 1, 1]
 

@@ -62,6 +62,12 @@ thread that runs megatron code.
 15  our fused kernel bodies       dynamo guards on the mode of   the bodies run outside the
     compiled twice per shape      patch 1 (on in forward, off    mode (compile.run_bodies_inside)
                                   on autograd's backward thread)
+16  pipeline schedules free a     gloo's isend reads the buffer  the freed storage stays
+    sent activation's storage     on its own thread after the    referenced by the tensor until
+    (deallocate_pipeline_         call returns (CUDA's caching   its backward: the interleaved
+    outputs, Megatron-LM's        allocator keeps it for NCCL's  schedule (PP2 + VPP) sent freed
+    default) right after isend    stream): a freed buffer is     memory (NaN, or a loss varying
+                                  sent                           run to run)
 ==  ============================  ==============================  ================================
 """
 
@@ -317,6 +323,20 @@ def _patch_megatron():
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    schedules = sys.modules.get("megatron.core.pipeline_parallel.schedules")
+    if schedules is None:
+        from megatron.core.pipeline_parallel import schedules
+    free = schedules.deallocate_output_tensor
+
+    @functools.wraps(free)
+    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):  # patch 16
+        sent = out.data if deallocate_pipeline_outputs and torch.is_tensor(out) else None
+        free(out, deallocate_pipeline_outputs)
+        if sent is not None:
+            out._cpu_sent_storage = sent  # until the output (and its backward) is gone
+
+    schedules.deallocate_output_tensor = deallocate_output_tensor
 
     # patch 10; the factory and the class that owns the sync save() moved in 0.17 (mcore.py)
     def sync_queue(orig):
