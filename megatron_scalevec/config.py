@@ -30,6 +30,7 @@ PRESETS = {
     "unified": "hg+dnp+or+iwd",
 }
 EXPERT_VECTORS = ("per_expert", "shared")
+LAYERNORM_BIAS = ("stock", "none")
 TOKENS = ("shared", "none", "hg", "dp", "dnp", "or", "er", "iwd")
 
 
@@ -56,6 +57,15 @@ class ScaleVecConfig:
             ``per_expert`` (SPEC.md: every routed expert has its own) or ``shared`` (one set
             per MoE layer used by all its routed experts; about E times fewer parameters for
             fine-grained MoE). Shared experts and the router are unaffected.
+        layernorm_bias: where a LayerNorm's bias goes (``normalization='LayerNorm'``; SPEC.md
+            is written for RMSNorm, which has none; reading). ``stock``: every norm
+            megatron-core's own layer has (the Pre-Norms, the MoE pre-norm, the final norm,
+            ``qk_layernorm``'s QK-norm) keeps its bias beta, added after the norm's own vector:
+            ``gamma * N(x) + beta``, which is megatron-core's LayerNorm under ``shared``; under
+            HG, whose vectors sit in the branches, ``q = W_q(gamma_q * (N(x) + beta))``, which
+            folds exactly into a stock layer (gamma_q into W_q, beta kept) and is what
+            Transformer Engine's fused LayerNorm + linear computes with a folded weight. DNP's
+            added norms have none. ``none``: no bias anywhere.
     """
 
     vectors: bool = True
@@ -69,6 +79,7 @@ class ScaleVecConfig:
     decay_direction: bool = False
     apply_mode: str = "auto"
     expert_vectors: str = "per_expert"
+    layernorm_bias: str = "stock"
 
     def __post_init__(self):
         if self.dp and self.dnp:
@@ -89,6 +100,9 @@ class ScaleVecConfig:
             raise ValueError(f"ScaleVecConfig.expert_vectors must be one of {EXPERT_VECTORS} "
                              f"(one set of MoE expert vectors per expert, or one per layer "
                              f"shared by its routed experts); got {self.expert_vectors!r}")
+        if self.layernorm_bias not in LAYERNORM_BIAS:
+            raise ValueError(f"ScaleVecConfig.layernorm_bias must be one of {LAYERNORM_BIAS}; "
+                             f"got {self.layernorm_bias!r}")
         if self.scale_vector_weight_decay is not None and self.scale_vector_weight_decay < 0:
             raise ValueError("ScaleVecConfig.scale_vector_weight_decay must be >= 0")
 
@@ -141,6 +155,26 @@ class ScaleVecConfig:
     def replace(self, **changes) -> ScaleVecConfig:
         return dataclasses.replace(self, **changes)
 
+    def to_dict(self) -> dict:
+        """Every field (plain data): what a checkpoint records of the strategy."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ScaleVecConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ScaleVecConfig: unknown fields {unknown}")
+        return cls(**d)
+
+    def describe(self) -> str:
+        """The strategy string and every option that differs from its default, in one line
+        (``hg+dp+er (scale_vector_weight_decay=0.05, expert_vectors='shared')``)."""
+        base = ScaleVecConfig.from_string(self.to_string())
+        extra = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if getattr(self, f.name) != getattr(base, f.name)]
+        return self.to_string() + (f" ({', '.join(extra)})" if extra else "")
+
     @property
     def is_baseline(self) -> bool:
         """True when the model is computed exactly as megatron-core's stock layers."""
@@ -191,6 +225,9 @@ UNSUPPORTED = [
      f"context parallelism is {_UNTESTED}' gradient reductions"),
     ("--fp4-format", lambda a: bool(getattr(a, "fp4", None)),
      f"NVFP4 training is {_UNTESTED} folded into TE's weights"),
+    ("--mtp-num-layers", lambda a: bool(getattr(a, "mtp_num_layers", None)),
+     f"multi-token prediction is {_UNTESTED} (Megatron-LM builds its MTP layers from "
+     f"megatron-core's own spec)"),
     ("--fp8-recipe mxfp8", lambda a: getattr(a, "fp8", None) and
      getattr(a, "fp8_recipe", None) == "mxfp8",
      f"MXFP8 is {_UNTESTED} folded into TE's weights (delayed, tensorwise and blockwise "
@@ -203,4 +240,25 @@ def unsupported_feature(options) -> Optional[str]:
     for flag, is_set, why in UNSUPPORTED:
         if is_set(options):
             return f"{flag} is not supported: {why}"
+    return None
+
+
+def unsupported_with(options, scalevec: ScaleVecConfig) -> Optional[str]:
+    """A flag on ``options`` (Megatron-LM's args or a TransformerConfig) that this strategy
+    cannot honour, as one line naming it, or None."""
+    zero_centered = (getattr(options, "layernorm_zero_centered_gamma", False)
+                     or getattr(options, "apply_layernorm_1p", False))
+    local = getattr(options, "transformer_impl", "local") == "local"
+    ours_plain = scalevec.vectors and scalevec.parameterization == "plain" and (
+        local or scalevec.hg or scalevec.dp or scalevec.dnp
+        or getattr(options, "qk_layernorm", False))
+    if zero_centered and ours_plain:
+        return ("--apply-layernorm-1p (zero-centred gamma, stored as gamma - 1) is not "
+                f"supported for {scalevec.to_string()}'s plain vectors in our norms and "
+                "linears: use an OR or ER parameterization, or shared on "
+                "--transformer-impl transformer_engine without --qk-layernorm (TE's norms)")
+    if getattr(options, "apply_wd_to_qk_layernorm", False) and (scalevec.dnp or scalevec.iwd):
+        return (f"--apply-wd-to-qk-layernorm is not supported with {scalevec.to_string()}: "
+                f"{'DNP' if scalevec.dnp else 'IWD'} decides the QK-norm's decay (an "
+                f"Output-Norm vector: none); drop the flag")
     return None

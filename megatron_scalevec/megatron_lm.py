@@ -4,10 +4,13 @@ installs.
 Megatron-LM's ``pretrain_gpt.py`` imports the spec module inside ``gpt_builder()`` (after its
 arguments are parsed, while ``setup_model_and_optimizer`` runs) and has no plugin hook, so that
 module (:mod:`megatron_scalevec.megatron_lm_spec`, the only one with an effect on import) calls
-:func:`install`, which puts three wrappers into ``megatron.training.training``. Importing this
-module does nothing. Each wrapper calls the original and only adds to it; each is looked up by
-Megatron at call time, after the model is built:
+:func:`install_block_hook` and :func:`install`. Importing this module does nothing. Each
+wrapper calls the original and only adds to it; each is looked up at call time:
 
+* megatron-core's ``transformer_block._get_block_submodules`` -- our block spec sized for the
+  chunk TransformerBlock is building, from the ``vp_stage`` and config it was given (Megatron-LM
+  hands every virtual pipeline chunk the same spec object and never sets parallel_state's
+  virtual rank).
 * ``get_megatron_optimizer_config`` -- IWD: Megatron's ``config_overrides`` with its 1-D
   no-decay rule replaced by the rules of :mod:`megatron_scalevec.optim` for the strategy the
   ``--spec`` object carries (other overrides, e.g. ``--decoupled-lr``, are kept).
@@ -15,23 +18,20 @@ Megatron at call time, after the model is built:
   print the one-screen decay summary (which fails loudly when the model lacks the vectors).
 * ``training_log`` -- every ``--log-interval``: scale-vector statistics (norm, OR magnitude,
   conservation quantity) per layer and branch to TensorBoard / W&B as ``scalevec/...`` and one
-  summary line to stdout. (Megatron's MoE aux-loss tracker would need no wrap but is only read
-  for MoE models and sums per micro-batch; these statistics are per-parameter, not per-batch.)
+  summary line to stdout.
+* ``load_checkpoint`` (``megatron.training.training`` and ``.checkpointing``) -- a checkpoint
+  recorded with another strategy is refused in one line before anything is read
+  (:mod:`megatron_scalevec.megatron_lm_strategy`, which also reads the strategy from the
+  environment and records it in Megatron-LM's ``args``, hence in every checkpoint).
 
-Guards: nothing happens unless ``megatron.training`` is importable and megatron-core reports a
-release line this was checked against (:data:`MEGATRON_LM_TAGS`: 0.16 to 0.19, each with its
-Megatron-LM tag); otherwise a warning says why and Megatron-LM runs unchanged
+Guards: the training wrappers go in only where ``megatron.training`` is importable and
+megatron-core reports a release line this was checked against (:data:`MEGATRON_LM_TAGS`: 0.16
+to 0.19, each with its Megatron-LM tag); otherwise a warning says why
 (``MEGATRON_SCALEVEC_FORCE_INSTALL=1`` installs anyway when the wrapped names exist).
 ``get_megatron_muon_optimizer`` is wrapped where it exists (Megatron-LM up to 0.17; from 0.18
-Muon is built by ``get_megatron_optimizer`` itself). Installing twice is a no-op.
-
-Strategy (no new CLI flags; Megatron-LM rejects unknown ones): the ``--spec`` attributes carry
-the unified strategy (hg+dnp+or+iwd). The environment variable ``MEGATRON_SCALEVEC`` (any
-:meth:`ScaleVecConfig.from_string` text, e.g. ``hg+dp+er``) and
-``MEGATRON_SCALEVEC_VECTOR_WD`` (decay of Input-Norm vectors; default ``--weight-decay``),
-read when the spec module is imported, choose the strategy of both attributes
-(:func:`spec_objects`). The strategy is not stored in
-Megatron-LM checkpoints: resume with the same environment.
+Muon is built by ``get_megatron_optimizer`` itself). Installing twice is a no-op. Checked by
+running Megatron-LM's own ``pretrain_gpt.py`` (core_v0.16.1, core_v0.19.0) in
+tests/megatron_lm/.
 """
 
 from __future__ import annotations
@@ -42,67 +42,38 @@ import logging
 import math
 import os
 import re
-import sys
 import warnings
 from typing import Optional
 
-from megatron_scalevec.config import ScaleVecConfig, unsupported_feature
+from megatron_scalevec.config import ScaleVecConfig, unsupported_feature, unsupported_with
+from megatron_scalevec.megatron_lm_strategy import (  # the strategy's variables, record, check
+    ENV_STRATEGY,
+    ENV_VECTOR_WD,
+    STRATEGY_ENV_VARS,
+    adopt,
+    check_resume,
+    env_strategy,
+    refuse,
+    spec_objects,
+    strategy_of_spec,
+)
 
 logger = logging.getLogger(__name__)
 
 # megatron-core release line -> the Megatron-LM tag whose training loop this was checked on
 MEGATRON_LM_TAGS = {"0.16": "core_v0.16.1", "0.17": "core_v0.17.1", "0.18": "core_v0.18.2",
                     "0.19": "core_v0.19.0"}
-ENV_STRATEGY = "MEGATRON_SCALEVEC"
-ENV_VECTOR_WD = "MEGATRON_SCALEVEC_VECTOR_WD"
 ENV_FORCE = "MEGATRON_SCALEVEC_FORCE_INSTALL"
 SPEC_ATTRS = ("scalevec_dense", "scalevec_moe")
-WRAPPED = ("get_megatron_optimizer_config", "get_megatron_optimizer", "training_log")
+WRAPPED = ("get_megatron_optimizer_config", "get_megatron_optimizer", "training_log",
+           "load_checkpoint")
 OPTIONAL = ("get_megatron_muon_optimizer",)  # gone from training.py in Megatron-LM 0.18
 _MARK = "__scalevec_original__"
 
 _state: dict = {"installed": False, "model": None, "scalevec": None}
 
-
-# --------------------------------------------------------------------------- strategy
-def env_strategy(environ=None) -> Optional[ScaleVecConfig]:
-    """The strategy the environment asks for, or None when it asks for nothing."""
-    environ = os.environ if environ is None else environ
-    text, wd = environ.get(ENV_STRATEGY, "").strip(), environ.get(ENV_VECTOR_WD, "").strip()
-    if not text and not wd:
-        return None
-    try:
-        svwd = float(wd) if wd else None
-        return ScaleVecConfig.from_string(text or "unified", scale_vector_weight_decay=svwd)
-    except ValueError as e:
-        raise ValueError(f"{ENV_STRATEGY}={text!r} / {ENV_VECTOR_WD}={wd!r}: {e}") from None
-
-
-def spec_objects(environ=None) -> tuple:
-    """``(scalevec_dense, scalevec_moe)`` for the ``--spec`` module: lazy block specs of the
-    environment's strategy, else of the unified one."""
-    from megatron_scalevec import specs  # noqa: PLC0415 (megatron-core only when used)
-
-    environ = os.environ if environ is None else environ
-    cfg = env_strategy(environ)
-    if cfg is not None:
-        logger.warning("megatron_scalevec: %s=%s: --spec scalevec_* use strategy %s",
-                       ENV_STRATEGY, environ.get(ENV_STRATEGY, ""), cfg.to_string())
-    return tuple(specs.block_module_spec(cfg or "unified") for _ in SPEC_ATTRS)
-
-
-def strategy_of_spec(spec_tokens) -> Optional[ScaleVecConfig]:
-    """The strategy of a Megatron-LM ``args.spec`` (module, attribute) if it is one of ours."""
-    if not spec_tokens or len(spec_tokens) != 2:
-        return None
-    from megatron_scalevec.specs import ScaleVecBlockSubmodules  # noqa: PLC0415 (when used)
-
-    try:
-        obj = getattr(importlib.import_module(spec_tokens[0]), spec_tokens[1], None)
-    except ImportError:
-        return None
-    sub = getattr(obj, "submodules", None)
-    return sub.scalevec if isinstance(sub, ScaleVecBlockSubmodules) else None
+__all__ = ["ENV_STRATEGY", "ENV_VECTOR_WD", "STRATEGY_ENV_VARS", "env_strategy", "install",
+           "install_block_hook", "spec_objects", "strategy_of_spec"]
 
 
 # --------------------------------------------------------------------------- IWD
@@ -122,18 +93,20 @@ def iwd_overrides(config, overrides: Optional[dict], scalevec: ScaleVecConfig) -
     return merged
 
 
-def refuse_unsupported(args) -> None:
-    """One line and exit 2 for a flag the scale-vector specs do not support (when Megatron-LM
-    imports our --spec module, before the model is built; again for the optimizer config)."""
-    why = unsupported_feature(args)
+def refuse_unsupported(args, scalevec: Optional[ScaleVecConfig] = None) -> None:
+    """One line and exit 2 for a flag the scale-vector specs (or this strategy) do not support
+    (when Megatron-LM imports our --spec module, before the model is built; again for the
+    optimizer config)."""
+    why = unsupported_feature(args) or (scalevec and unsupported_with(args, scalevec))
     if why:
-        print(f"megatron_scalevec: {why}", file=sys.stderr)
-        raise SystemExit(2)
+        refuse(why)
 
 
-def refuse_unsupported_args() -> None:
-    """Megatron-LM's parsed args checked where its ``--spec`` imports our spec module (inside
-    ``gpt_builder``, before the model is built); a no-op outside Megatron-LM."""
+def start(scalevec: ScaleVecConfig) -> None:
+    """Where Megatron-LM's ``--spec`` imports our spec module (inside ``gpt_builder``, before
+    the model is built; a no-op outside Megatron-LM): flags this strategy cannot honour are
+    refused, the ranks agree on the strategy and ``args`` records it (every checkpoint then
+    holds it)."""
     try:
         from megatron.training import get_args  # noqa: PLC0415
 
@@ -141,7 +114,8 @@ def refuse_unsupported_args() -> None:
     except (ImportError, AssertionError, AttributeError):  # no Megatron-LM, or no args yet
         return
     if args is not None:
-        refuse_unsupported(args)
+        refuse_unsupported(args, scalevec)
+        adopt(args, scalevec)
 
 
 def wrap_optimizer_config(original):
@@ -151,7 +125,7 @@ def wrap_optimizer_config(original):
         scalevec = strategy_of_spec(getattr(args, "spec", None))
         if scalevec is None:
             return config, overrides
-        refuse_unsupported(args)
+        refuse_unsupported(args, scalevec)
         _state["scalevec"] = scalevec
         return config, iwd_overrides(config, overrides, scalevec)
 
@@ -304,11 +278,30 @@ def install_block_hook() -> bool:
     return True
 
 
+# --------------------------------------------------------------------------- resume
+def wrap_load_checkpoint(original):
+    """``load_checkpoint`` that first refuses a checkpoint recorded with another strategy
+    (megatron_lm_strategy.check_resume), before Megatron-LM reads any tensor."""
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        from megatron.training import get_args  # noqa: PLC0415
+
+        margs = get_args()
+        scalevec = strategy_of_spec(getattr(margs, "spec", None))
+        if scalevec is not None:
+            check_resume(margs, scalevec)
+        return original(*args, **kwargs)
+
+    setattr(load_checkpoint, _MARK, original)
+    return load_checkpoint
+
+
 # --------------------------------------------------------------------------- install
 _WRAPPERS = {"get_megatron_optimizer_config": wrap_optimizer_config,
              "get_megatron_optimizer": wrap_optimizer_builder,
              "get_megatron_muon_optimizer": wrap_optimizer_builder,
-             "training_log": wrap_training_log}
+             "training_log": wrap_training_log,
+             "load_checkpoint": wrap_load_checkpoint}
 
 
 def install_into(training_module) -> list:
@@ -349,5 +342,7 @@ def install() -> bool:
             stacklevel=2)
         return False
     install_into(training)
+    checkpointing = importlib.import_module("megatron.training.checkpointing")
+    install_into(checkpointing)  # the same wrapper where other callers look it up
     _state["installed"] = True
     return True

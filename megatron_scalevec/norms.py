@@ -7,8 +7,18 @@ preset loads stock checkpoints key for key. It serves three places:
 * ``kind="pre"``: a Pre-Norm before attention / MLP. It has a vector only for ``shared``
   (under HG the vectors move into the branch projections; under ``none`` there is none).
 * ``kind="final"``: the norm before the output layer; a vector unless ``none``.
-* ``kind="branch"``: DNP's per-branch norm (and QK-norm): a vector (role Output-Norm) unless
-  ``none`` (QK-norm without parameters).
+* ``kind="qk"``: ``qk_layernorm``'s QK-norm without DNP, in megatron-core's own
+  ``q_layernorm`` / ``k_layernorm`` slot: a vector (role Output-Norm) unless ``none``; its
+  gradient, partial over the tensor-parallel group (each rank has its heads), is summed there by
+  megatron-core's ``finalize_model_grads``, which matches these names, as for stock.
+* ``kind="branch"``: DNP's per-branch norm (QK-norm under DNP): a vector (role Output-Norm)
+  unless ``none``.
+
+Under ``normalization="LayerNorm"`` the norms megatron-core has (pre, final, qk) keep its bias
+(``ScaleVecConfig.layernorm_bias``): ``gamma * N(x) + beta``, ``N(x) + beta`` without a vector.
+Like stock's, the bias of a Pre-Norm or final norm under sequence parallelism carries
+``sequence_parallel`` and is summed over the tensor-parallel group by ``finalize_model_grads``;
+it is not a scale vector (no role, never decayed, outside gamma).
 
 Under sequence parallelism a Pre-Norm sees only a shard of the tokens, so its replicated
 vector's gradient is summed over the tensor-parallel group (sharding.py); this is why our
@@ -42,38 +52,45 @@ class _ScaledNorm(torch.autograd.Function):
     kernel body each (compile.py), as megatron-core's and TE's norms are one kernel."""
 
     @staticmethod
-    def forward(ctx, x, gamma, layer, eps, group, n):
+    def forward(ctx, x, gamma, beta, layer, eps, group, n):
         if group is None:
-            y, mean, rstd = compile.kernel(_norm_fwd)(x, gamma, layer, eps, n)
-        else:
+            y, mean, rstd = compile.kernel(_norm_fwd)(x, gamma, beta, layer, eps, n)
+        else:  # a split norm (DNP over the FFN width) has no bias
             mean, rstd = ops.row_stats([x], layer, eps, n,
                                        lambda t: sharding.sum_in_place(t, group))
-            y = _scaled(x, gamma, mean, rstd)
+            y = _scaled(x, gamma, None, mean, rstd)
         ctx.save_for_backward(x, mean, rstd, gamma)
-        ctx.group, ctx.n = group, n
+        ctx.group, ctx.n, ctx.has_beta = group, n, beta is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, mean, rstd, gamma = ctx.saved_tensors
         needs = ctx.needs_input_grad[1] and gamma is not None
+        dbeta = None
+        if ctx.needs_input_grad[2] and ctx.has_beta:  # the bias: the rows' sum of dy
+            dbeta = dy.reshape(-1, dy.shape[-1]).float().sum(0)
         if ctx.group is None:
             dx, dgamma = compile.kernel(_norm_bwd)(dy, x, mean, rstd, gamma, needs, ctx.n)
         else:
             xhat, dy, dgamma = _norm_bwd_rows(dy, x, mean, rstd, gamma, needs)
             sums = sharding.sum_in_place(_grad_sums(dy, xhat, mean), ctx.group) / ctx.n
             dx = _norm_bwd_dx(dy, xhat, rstd, sums, mean, x.dtype)
-        return dx, dgamma, None, None, None, None
+        return dx, dgamma, dbeta, None, None, None, None
 
 
-def _scaled(x, gamma, mean, rstd):
+def _scaled(x, gamma, beta, mean, rstd):
     y = ops.scale_free(x, mean, rstd)
-    return (y * gamma if gamma is not None else y).to(x.dtype)
+    if gamma is not None:
+        y = y * gamma
+    if beta is not None:
+        y = y + beta
+    return y.to(x.dtype)
 
 
-def _norm_fwd(x, gamma, layer: bool, eps: float, n: int):
+def _norm_fwd(x, gamma, beta, layer: bool, eps: float, n: int):
     mean, rstd = ops.row_stats([x], layer, eps, n)
-    return _scaled(x, gamma, mean, rstd), mean, rstd
+    return _scaled(x, gamma, beta, mean, rstd), mean, rstd
 
 
 def _norm_bwd_rows(dy, x, mean, rstd, gamma, needs: bool):
@@ -111,20 +128,24 @@ class ScaleVecNorm(ScaleVector):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, *,
                  scalevec: ScaleVecConfig, kind: str = "pre", placement=None,
                  expert_allreduce=None):
-        if kind not in ("pre", "final", "branch"):
-            raise ValueError(f"ScaleVecNorm kind must be pre, final or branch, got {kind!r}")
-        has_vector = {"pre": scalevec.vectors and not scalevec.hg,
-                      "final": scalevec.vectors, "branch": scalevec.vectors}[kind]
+        if kind not in ("pre", "final", "qk", "branch"):
+            raise ValueError(f"ScaleVecNorm kind must be pre, final, qk or branch, got {kind!r}")
+        has_vector = scalevec.vectors and not (kind == "pre" and scalevec.hg)
         if kind != "branch":  # built by megatron-core from the spec: placed here
             placement = sharding.placement(f"{kind}_norm", config, sharding.tp_group(False))
         super().__init__(
             hidden_size, scalevec.parameterization if has_vector else None,
-            role="output" if kind == "branch" else "input", **(placement or {}),
+            role="input" if kind in ("pre", "final") else "output", **(placement or {}),
             expert_allreduce=expert_allreduce, dtype=config.params_dtype)
         self.kind = kind
         self.eps = eps
         self.normalization = config.normalization
         self.layer = ops.is_layer_norm(self.normalization)  # one clear error if neither
+        self.bias = None
+        if self.layer and kind != "branch" and scalevec.layernorm_bias == "stock":
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+            if kind != "qk" and getattr(config, "sequence_parallel", False):  # as stock
+                self.bias.sequence_parallel = True
 
     def forward(self, x: Optional[torch.Tensor] = None):
         """``gamma * N(x)``; without ``x``, as every ScaleVector, gamma itself (None without a
@@ -132,5 +153,5 @@ class ScaleVecNorm(ScaleVector):
         apply it."""
         if x is None:
             return super().forward()
-        return _ScaledNorm.apply(x, super().forward(), self.layer, self.eps, self.split_group,
-                                 self.global_size)
+        return _ScaledNorm.apply(x, super().forward(), self.bias, self.layer, self.eps,
+                                 self.split_group, self.global_size)

@@ -9,9 +9,12 @@ Rules (one place, so the math modules never mention process groups):
 * A *replicated* vector whose use sees only rank-local data (rows of a column-parallel weight,
   local heads, a sequence-parallel shard of tokens) gets a partial gradient. We sum it over
   that group: in autograd with :func:`reduce_grad` every micro-batch, or under megatron-core's
-  DDP once a step for all vectors together (:func:`sum_coalesced`, vectors.py). Nothing relies on
-  ``finalize_model_grads``' name or ``sequence_parallel`` conventions, so no vector is reduced
-  twice and the rule holds for the expert-tensor-parallel group too.
+  DDP once a step for all vectors together (:func:`sum_coalesced`, vectors.py). No vector
+  carries ``sequence_parallel``, so ``finalize_model_grads`` never reduces one a second time;
+  the rule holds for the expert-tensor-parallel group too. Two exceptions follow stock exactly,
+  because they are stock's parameters: a LayerNorm bias under sequence parallelism carries
+  ``sequence_parallel`` (norms.py), and the QK-norm in megatron-core's own ``q_layernorm`` /
+  ``k_layernorm`` slot (``qk_norm`` below) is summed over TP by finalize's name rule.
 * Expert vectors copy ``allreduce`` from their expert weight, so DDP reduces them over the
   expert data-parallel group, never over the dense one.
 * Gradient norm (and so clipping): megatron-core's ``get_main_grads_for_grad_norm`` counts a
@@ -43,6 +46,8 @@ PLACEMENTS = {
     "pre_norm":                 (False, "sp"),    # Pre-Norm gamma (shared), and its SP shard
     "final_norm":               (False, "sp"),
     "head_norm":                (False, "tp"),    # R^head_dim, shared by the local heads
+    "qk_norm":                  (False, None),    # QK-norm in stock's slot: finalize_model_
+    #                                               grads sums it over TP by its name
     "ffn_norm":                 (True, None),     # DNP over the FFN width, split like fc1
     "input_folded":             (False, "tp"),    # HG gamma folded into W: each rank its rows
     "input_activation":         (False, "sp"),    # HG gamma scaling a (dense) activation

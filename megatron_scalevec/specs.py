@@ -40,7 +40,12 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from megatron_scalevec.compat import mcore
-from megatron_scalevec.config import ScaleVecConfig, moe_layer_flags, unsupported_feature
+from megatron_scalevec.config import (
+    ScaleVecConfig,
+    moe_layer_flags,
+    unsupported_feature,
+    unsupported_with,
+)
 from megatron_scalevec.layers import ScaleVecMLP, ScaleVecSelfAttention
 from megatron_scalevec.layers.moe import (
     ScaleVecSequentialMLP,
@@ -207,10 +212,10 @@ def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
     """The layers of this pipeline stage (dense or MoE each) and our final norm. A feature the
     vectors do not support (CUDA graphs, context parallelism ...: config.UNSUPPORTED) is refused
     here, before any model is built, whichever entry point builds it."""
-    why = unsupported_feature(config)
+    cfg = as_config(scalevec)
+    why = unsupported_feature(config) or unsupported_with(config, cfg)
     if why:
         raise ValueError(f"megatron_scalevec: {why}")
-    cfg = as_config(scalevec)
     pattern = moe_layer_pattern(config)
     offset = get_transformer_layer_offset(config, vp_stage, pp_rank)
     n = get_num_layers_to_build(config, vp_stage, pp_rank)

@@ -85,10 +85,15 @@ class ScaleVector(nn.Module):
     def enabled(self) -> bool:
         return self.parameterization is not None
 
+    def vector_parameters(self) -> list:
+        """The vector's own parameters (its parts), in PARTS order: a subclass may own others
+        (a norm's LayerNorm bias, norms.py), which are not part of gamma."""
+        return [getattr(self, part) for part in PARTS.get(self.parameterization, ())]
+
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            for name, p in self.named_parameters(recurse=False):
-                p.fill_(0.0 if name in ("alpha", "logit") else 1.0)
+            for part, p in zip(PARTS.get(self.parameterization, ()), self.vector_parameters()):
+                p.fill_(0.0 if part in ("alpha", "logit") else 1.0)
 
     @contextlib.contextmanager
     def computed_once(self):
@@ -243,7 +248,7 @@ def _value(vectors: list, compute) -> torch.Tensor:
     one collective per group, then mapped through gamma's own backward onto the parameters,
     before DDP reduces the vectors' buckets (megatron_scalevec/steps.py)."""
     v0 = vectors[0]
-    params = [p for v in vectors for p in v._parameters.values()]
+    params = [p for v in vectors for p in v.vector_parameters()]
     n = steps.per_step(params[0])
     if n is None:
         return sharding.reduce_grad(compute(), v0.grad_group)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_scalevec import megatron_lm
+from megatron_scalevec.config import ScaleVecConfig
 from scalevec_testing import models as M
 from scalevec_testing.distributed import init_model_parallel, run_on_ranks
 
@@ -130,6 +131,9 @@ def _fake_megatron_lm(log_interval=2):
     training.get_megatron_optimizer = get_megatron_optimizer
     training.get_megatron_muon_optimizer = get_megatron_optimizer
     training.training_log = training_log
+    training.load_checkpoint = lambda *args, **kwargs: (0, 0)
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    checkpointing.load_checkpoint = training.load_checkpoint
     writer = types.SimpleNamespace(add_scalar=lambda k, v, it: calls["scalars"].setdefault(
         it, {}).update({k: v}))
     package = types.ModuleType("megatron.training")
@@ -140,6 +144,7 @@ def _fake_megatron_lm(log_interval=2):
     package.print_rank_last = calls["printed"].append
     sys.modules["megatron.training"] = package
     sys.modules["megatron.training.training"] = training
+    sys.modules["megatron.training.checkpointing"] = checkpointing
     return training, calls
 
 
@@ -205,9 +210,9 @@ def test_import_hook_installs_into_megatron_lm_once():
 
 
 def test_old_spec_module_is_refused_inside_megatron_lm(monkeypatch):
-    """`--spec megatron_scalevec.specs ...` (no hooks installed) fails when the block is sized
-    from Megatron-LM's args, naming the --spec module to use, instead of silently training
-    without IWD; with the --spec module imported it gets past that check."""
+    """`--spec megatron_scalevec.specs ...` (no hooks installed) fails when the block is built
+    inside Megatron-LM, naming the --spec module to use, instead of silently training without
+    IWD or with stage 0's layers in every virtual stage."""
     from megatron_scalevec import specs
 
     package = types.ModuleType("megatron.training")
@@ -218,8 +223,10 @@ def test_old_spec_module_is_refused_inside_megatron_lm(monkeypatch):
     monkeypatch.delitem(sys.modules, specs.MEGATRON_LM_SPEC_MODULE, raising=False)
     with pytest.raises(RuntimeError, match="--spec megatron_scalevec.megatron_lm_spec"):
         _ = specs.scalevec_moe.submodules.layer_specs
+    # with the --spec module imported, a block read outside megatron-core's block hook (which
+    # the spec module installs) is refused too: it could not know its pipeline stage
     monkeypatch.setitem(sys.modules, specs.MEGATRON_LM_SPEC_MODULE, types.ModuleType("x"))
-    with pytest.raises(ImportError):  # the stand-in has no megatron.training.arguments
+    with pytest.raises(RuntimeError, match="_get_block_submodules"):
         _ = specs.scalevec_moe.submodules.layer_specs
 
 
@@ -325,6 +332,7 @@ UNSUPPORTED_FLAGS = [
     (dict(context_parallel_size=2), "--context-parallel-size > 1"),
     (dict(fp4="e2m1"), "--fp4-format"),
     (dict(fp8="hybrid", fp8_recipe="mxfp8"), "--fp8-recipe mxfp8"),
+    (dict(mtp_num_layers=1), "--mtp-num-layers"),
 ]
 
 
@@ -341,13 +349,15 @@ def test_untested_gpu_features_are_refused_before_the_model_is_built(monkeypatch
     package = types.ModuleType("megatron.training")
     package.get_args = lambda: args
     monkeypatch.setitem(sys.modules, "megatron.training", package)
-    megatron_lm.refuse_unsupported_args()  # none set: nothing refused
+    unified = ScaleVecConfig.from_string("unified")
+    megatron_lm.start(unified)  # none set: nothing refused (and the strategy recorded)
+    assert ScaleVecConfig.from_dict(args.scalevec) == unified
     args.fp8, args.fp8_recipe = "hybrid", "tensorwise"
-    megatron_lm.refuse_unsupported_args()
+    megatron_lm.start(unified)
     for k, v in flags.items():
         setattr(args, k, v)
     with pytest.raises(SystemExit) as exit_info:
-        megatron_lm.refuse_unsupported_args()
+        megatron_lm.start(unified)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0] and "is not supported" in err[0], err

@@ -141,3 +141,32 @@ def test_pre_norm_under_megatron_parallel_state_size_1():
     (errs, unsplit), = run_on_ranks(_pre_norm_in_rank, 1)
     assert unsplit
     assert max(errs) < 1e-4, errs
+
+
+@pytest.mark.parametrize("kind,parameterization", [("pre", "plain"), ("final", "or"),
+                                                   ("qk", "er")])
+def test_layernorm_bias_of_the_norms_stock_has(kind, parameterization):
+    """LayerNorm's bias on the norms megatron-core has (Pre-Norm, final, QK-norm):
+    ``gamma * N(x) + beta``, against ``F.layer_norm(x, (h,), gamma, beta)``, with the bias's
+    gradient; RMSNorm, DNP's branch norms and ``layernorm_bias='none'`` have none."""
+    norm = _norm(parameterization, "LayerNorm", kind=kind)
+    assert norm.bias is not None and not hasattr(norm.bias, "scalevec_role")
+    _randomize(norm, seed=8)
+    leaves = {n: p.detach().clone().requires_grad_() for n, p in norm.named_parameters()}
+    gamma = _formula(parameterization, leaves)
+    x = _x(3, 2, H, seed=9).requires_grad_()
+    ref_x = x.detach().clone().requires_grad_()
+    up = _x(3, 2, H, seed=10)
+    y = norm(x)
+    ref = F.layer_norm(ref_x, (H,), gamma, leaves["bias"], eps=EPS)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    (y * up).sum().backward()
+    (ref * up).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-4, atol=1e-5)
+    for name, p in norm.named_parameters():
+        torch.testing.assert_close(p.grad, leaves[name].grad, rtol=1e-4, atol=1e-5)
+    assert _norm(parameterization, "RMSNorm", kind=kind).bias is None
+    assert _norm(parameterization, "LayerNorm", kind="branch").bias is None
+    assert _norm(parameterization, "LayerNorm", kind=kind, layernorm_bias="none").bias is None
+    hg = _norm("plain", "LayerNorm", kind="pre", hg=True)  # HG: N(x) + beta, no vector
+    assert hg() is None and [n for n, _ in hg.named_parameters()] == ["bias"]

@@ -54,13 +54,27 @@ def test_variant_at_init_equals_shared(strategy):
         assert any("scale_in" in k for k in res["missing"])
 
 
-def test_qk_layernorm_flag_equals_stock_qk_layernorm():
-    """config.qk_layernorm with our spec: the Output-Norm q/k norms, same as stock's."""
-    res = run_on_ranks(_compare_to_stock, 1, "shared", {"qk_layernorm": True})[0]
-    renamed = {k.replace("q_layernorm", "q_norm").replace("k_layernorm", "k_norm")
-               for k in res["unexpected"]}
-    assert renamed == set(res["missing"]) and len(renamed) == 4
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+def test_qk_layernorm_flag_equals_stock_qk_layernorm(normalization):
+    """config.qk_layernorm with our spec (no DNP): stock's own q/k_layernorm slots, names and
+    (LayerNorm) biases, key for key, and the same loss."""
+    res = run_on_ranks(_compare_to_stock, 1, "shared",
+                       {"qk_layernorm": True, "normalization": normalization})[0]
+    assert res["missing"] == [] and res["unexpected"] == []
     assert res["loss"][0] == pytest.approx(res["loss"][1], abs=1e-6)
+    assert res["grad_err"] < 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["shared", "hg", "hg+dp+er"])
+def test_layernorm_keeps_stock_biases(strategy):
+    """normalization=LayerNorm: the Pre-Norms and final norm keep megatron-core's biases
+    (ScaleVecConfig.layernorm_bias='stock'); every variant equals stock at init."""
+    res = run_on_ranks(_compare_to_stock, 1, strategy, {"normalization": "LayerNorm"})[0]
+    assert not [k for k in res["missing"] if k.endswith(".bias")], res["missing"]
+    if strategy == "shared":
+        assert res["missing"] == [] and res["unexpected"] == []
+    assert abs(res["loss"][0] - res["loss"][1]) < 1e-6, res["loss"]
+    assert res["grad_err"] < 1e-5
 
 
 def test_none_with_qk_layernorm_has_no_learnable_norm():

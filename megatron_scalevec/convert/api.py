@@ -2,8 +2,9 @@
 
 Sources are detected by their files: our full format (``scalevec_arch.json`` +
 ``model.safetensors``), a dist checkpoint (``metadata.json``; saved at any TP/PP/EP, arch from
-its ``scalevec_arch.json`` or ``arch=``), a trainer's ``--save`` directory (its ``latest``
-``iter_N``, which the trainer writes with ``scalevec_arch.json`` and the tokenizer), or a
+its ``scalevec_arch.json``, from Megatron-LM's saved args in ``common.pt``, or ``arch=``), a
+save directory (our trainer's ``latest`` ``iter_N``, written with ``scalevec_arch.json`` and
+the tokenizer; Megatron-LM's ``latest_checkpointed_iteration.txt`` and ``iter_*``), or a
 Hugging Face directory (``config.json``). A ``tokenizer.model`` beside the source travels
 with every output (``tokenizer=`` overrides it).
 Targets: ``stock`` (fold), a strategy string (warm start), or ``hf``. Every variant reaches
@@ -36,12 +37,21 @@ from megatron_scalevec.convert.io import (
     save_full,
     verify_checkpoint_files,
 )
+from megatron_scalevec.convert.megatron_lm import (
+    arch_from_args,
+    is_legacy_checkpoint,
+    is_megatron_lm_checkpoint,
+    legacy_refusal,
+    read_args,
+)
 from megatron_scalevec.convert.warmstart import FunctionChangeError, warm_start
 
 FORMATS = ("full", "dist")
 
 
 def detect(path: str) -> str:
+    if is_legacy_checkpoint(path):
+        raise ValueError(legacy_refusal(path))
     if is_full_checkpoint(path):
         return "full"
     if is_dist_checkpoint(path):
@@ -69,9 +79,14 @@ def read_checkpoint(path: str, arch: Optional[ModelArch] = None,
         sd, own = load_full(path)
         return sd, arch or own
     if arch is None and not os.path.isfile(os.path.join(path, ARCH_FILE)):
-        raise FileNotFoundError(f"{path}: a dist checkpoint without {ARCH_FILE} (Megatron-LM's, "
-                                f"or from a trainer older than this converter): pass --arch "
-                                f"arch.json (fields: convert/arch.py ModelArch)")
+        if not is_megatron_lm_checkpoint(path):
+            raise FileNotFoundError(f"{path}: a dist checkpoint without {ARCH_FILE} (from a "
+                                    f"trainer older than this converter): pass --arch "
+                                    f"arch.json (fields: convert/arch.py ModelArch)")
+        try:
+            arch = arch_from_args(read_args(path))
+        except ValueError as e:
+            raise ValueError(f"{path} (Megatron-LM): {e}") from None
     arch = arch or ModelArch.load(path)
     return full_state_dict(load_dist(path, arch)), arch
 

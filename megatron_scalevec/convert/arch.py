@@ -63,6 +63,7 @@ class ModelArch:
     moe_router_pre_softmax: bool = False
     moe_layer_freq: Union[int, list] = 1  # megatron-core: every n-th layer, or 0/1 per layer
     expert_vectors: str = "per_expert"  # ScaleVecConfig.expert_vectors (MoE, ours only)
+    layernorm_bias: str = "stock"  # ScaleVecConfig.layernorm_bias (LayerNorm, ours only)
 
     def __post_init__(self):
         if self.num_query_groups is None:
@@ -91,7 +92,8 @@ class ModelArch:
         """The ScaleVecConfig of ``scalevec`` with this arch's MoE reading (not for stock)."""
         from megatron_scalevec.config import ScaleVecConfig
 
-        return ScaleVecConfig.from_string(self.scalevec, expert_vectors=self.expert_vectors)
+        return ScaleVecConfig.from_string(self.scalevec, expert_vectors=self.expert_vectors,
+                                          layernorm_bias=self.layernorm_bias)
 
     @classmethod
     def from_config(cls, config, **model) -> ModelArch:

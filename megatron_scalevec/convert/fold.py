@@ -9,7 +9,10 @@ every gamma from ``ScaleVector.__call__`` (so OR and ER are resolved by their ow
   the stock Pre-Norm weight is then 1;
 * a ``shared`` Pre-Norm vector (plain, OR or ER) -> the stock Pre-Norm weight;
 * QK norms (``config.qk_layernorm``) -> stock ``q_layernorm`` / ``k_layernorm`` weights;
-* the final norm's gamma -> ``decoder.final_layernorm.weight`` (1 under ``none``).
+* the final norm's gamma -> ``decoder.final_layernorm.weight`` (1 under ``none``);
+* LayerNorm biases as they are: ours sits before the branch vectors
+  (``W_q(gamma_q * (N(x) + beta))``), so with gamma_q folded into W_q it is stock's bias;
+  zeros where the model has none (``layernorm_bias='none'``, DNP's q/k norms).
 
 DNP's norms on V, gate and up have no stock equivalent: refused, naming the branches; with
 ``keep_dnp=True`` (the Hugging Face export with our own modeling file, hf_remote.py) their
@@ -23,7 +26,12 @@ import torch
 from megatron_scalevec.convert.arch import ModelArch
 from megatron_scalevec.convert.build import build_model
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes
-from megatron_scalevec.convert.warmstart import FunctionChangeError, _stock_shapes, norm_consumers
+from megatron_scalevec.convert.warmstart import (
+    FunctionChangeError,
+    _stock_shapes,
+    norm_consumers,
+    qk_norm,
+)
 from megatron_scalevec.vectors import ScaleVector
 
 
@@ -86,18 +94,22 @@ def fold_to_stock(model, arch: ModelArch, keep_dnp: bool = False):
                 out[lin + ".weight"] = _effective_weight(modules[lin])
                 consumed.add(lin + ".weight")
         att = modules[p + "self_attention"]
-        for ours, stock in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
-            norm = getattr(att, ours, None)
+        for b in ("q", "k"):
+            norm = qk_norm(att, b)
             if norm is not None:
                 has_qk = True
-                out[f"{p}self_attention.{stock}.weight"] = _gamma_or_ones(norm, norm.size)
+                out[f"{p}self_attention.{b}_layernorm.weight"] = _gamma_or_ones(norm, norm.size)
     out["decoder.final_layernorm.weight"] = _gamma_or_ones(modules["decoder.final_layernorm"], h)
     for name, t in state.items():
         if name.endswith("_extra_state") or name in vector_params or name in consumed:
             continue
         out[name] = t.detach().float().clone()
-    stock_arch = arch.replace(scalevec="stock", qk_layernorm=has_qk)
-    check_names_and_shapes(out, _stock_shapes(stock_arch), "folded state dict")
+    stock_arch = arch.replace(scalevec="stock", qk_layernorm=has_qk, layernorm_bias="stock")
+    stock_shapes = _stock_shapes(stock_arch)
+    for key in stock_shapes:  # LayerNorm biases the model does not have: zero
+        if key.endswith("layernorm.bias") and key not in out:
+            out[key] = torch.zeros(stock_shapes[key])
+    check_names_and_shapes(out, stock_shapes, "folded state dict")
     return (out, stock_arch, dnp) if keep_dnp else (out, stock_arch)
 
 

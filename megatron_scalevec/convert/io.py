@@ -268,10 +268,14 @@ def save_dist(model, out_dir: str, arch: ModelArch, overwrite: bool = False,
 
 
 def resolve_checkpoint(path: str) -> str:
-    """A trainer's ``--save`` directory -> the ``iter_N`` its ``latest`` names; else ``path``."""
+    """A save directory -> the iteration folder it points to: the trainer's ``latest`` or
+    Megatron-LM's ``latest_checkpointed_iteration.txt`` (convert/megatron_lm.py); else
+    ``path``."""
+    from megatron_scalevec.convert.megatron_lm import resolve_save_dir  # noqa: PLC0415
+
     pointer = os.path.join(path, "latest")
     if not os.path.isfile(pointer):
-        return path
+        return resolve_save_dir(path)
     with open(pointer) as f:
         text = f.read().strip()
     if not text.isdigit():

@@ -1,9 +1,8 @@
 """Baseline -> scale-vector variant (warm start), function-preserving.
 
 The source is a full state dict with megatron-core's stock names (``get_gpt_layer_local_spec``;
-our ``shared`` preset has the same names, its QK norms as ``q_norm``). Any other variant of
-ours is first folded to stock (fold.py), which is exact, so every variant converts to every
-other through this one path.
+our ``shared`` preset has the same names). Any other variant of ours is first folded to stock
+(fold.py), which is exact, so every variant converts to every other through this one path.
 
 Per layer, the Pre-Norm gamma goes where the target keeps its input-side vectors:
 
@@ -12,6 +11,11 @@ Per layer, the Pre-Norm gamma goes where the target keeps its input-side vectors
   ``linear_fc1.scale_in.{gate,up}``; in an MoE layer the router's ``scale_in`` and every
   expert's and shared expert's ``linear_fc1.scale_in``);
 * ``none`` target: folded into the columns of those same matrices (exact).
+
+A LayerNorm's bias stays on its norm (``ScaleVecConfig.layernorm_bias``): as is where the
+target keeps the norm's gamma there (``shared``), else divided by gamma, because the target
+adds it before the branch vectors: ``gamma * N(x) + beta = gamma * (N(x) + beta / gamma)`` (a
+gamma with zeros is refused, naming the layer).
 
 DP output vectors start at 1. Every vector is set with ``ScaleVector.set_from_gamma``, so OR
 gets ``beta = |gamma| / sqrt(m)``, ``u = gamma`` and ER needs gamma > 0 (else an error naming
@@ -30,23 +34,11 @@ from megatron_scalevec.convert.build import build_model, logits, sample_batch
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes, load_full_into
 from megatron_scalevec.layers.expert_vectors import vectors_of
 
-# Stock names of the QK norms; our attention calls them q_norm / k_norm.
-_QK_STOCK = {"q_norm": "q_layernorm", "k_norm": "k_layernorm"}
 _DNP_ONLY = (".v_norm", ".gate_norm", ".up_norm")
 
 
 class FunctionChangeError(ValueError):
     """The requested conversion cannot preserve the model's function."""
-
-
-def shared_to_stock_names(sd: StateDict) -> StateDict:
-    """Our ``shared`` preset (plain vectors) -> stock names: only the QK norms differ."""
-    out = {}
-    for k, v in sd.items():
-        for ours, stock in _QK_STOCK.items():
-            k = k.replace(f"self_attention.{ours}.weight", f"self_attention.{stock}.weight")
-        out[k] = v
-    return out
 
 
 def dnp_branches(target: ScaleVecConfig, arch: ModelArch) -> list[str]:
@@ -71,7 +63,8 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                allow_function_change: bool = False, measure: bool = True):
     """Build ``target`` (a strategy string) at TP=PP=1 and fill it from a stock full state
     dict. Returns ``(model, report)``; report: changed branches and max logit difference."""
-    cfg = ScaleVecConfig.from_string(target, expert_vectors=arch.expert_vectors)
+    cfg = ScaleVecConfig.from_string(target, expert_vectors=arch.expert_vectors,
+                                     layernorm_bias=arch.layernorm_bias)
     changed = dnp_branches(cfg, arch)
     if changed and not allow_function_change:
         raise FunctionChangeError(
@@ -84,18 +77,40 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
             f"the source's q/k_layernorm gammas act after a normalization, so they cannot be "
             f"folded: the converted model computes a different function. Pass "
             f"allow_function_change=True (--allow-function-change) to drop them")
-    stock_sd = shared_to_stock_names(stock_sd)
     stock_shapes = _stock_shapes(arch)
     check_names_and_shapes(stock_sd, stock_shapes, "source (stock) state dict")
 
-    model = build_model(arch.replace(scalevec=cfg.to_string()))
+    model = build_model(arch.replace(scalevec=cfg.to_string(),
+                                     layernorm_bias=cfg.layernorm_bias))
     modules = dict(model.named_modules())
+    own_names = set(model.state_dict())
     out: dict[str, torch.Tensor] = {}  # target name -> tensor (matrices / plain copies)
     consumed = set()
 
     def take(key):
         consumed.add(key)
         return stock_sd[key].to(torch.float32)
+
+    def move_bias(norm_name: str, gamma: torch.Tensor, keeps_gamma: bool) -> None:
+        """A stock LayerNorm's bias into the target's norm (inside its branch vectors there
+        unless the norm keeps gamma): beta, or beta / gamma."""
+        key = norm_name + ".bias"
+        if key not in stock_sd:
+            return
+        beta = take(key)
+        if key not in own_names:  # layernorm_bias='none': only an all-zero bias is kept
+            if bool(beta.any()) and not allow_function_change:
+                raise FunctionChangeError(
+                    f"{key} is not zero and the target has no LayerNorm bias "
+                    f"(layernorm_bias='none'): pass --allow-function-change to drop it")
+            return
+        if not keeps_gamma:
+            if bool((gamma == 0).any()):
+                raise ValueError(
+                    f"{norm_name}: its LayerNorm bias moves inside the branch vectors (beta / "
+                    f"gamma), but its gamma has {int((gamma == 0).sum())} zero entries")
+            beta = beta / gamma
+        out[key] = beta
 
     with torch.no_grad():
         for i in range(arch.num_layers):
@@ -105,6 +120,7 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                 gamma, pre = take(key), modules[p + norm]
                 if pre.enabled:
                     _set_vector(pre, gamma, p + norm, key)
+                move_bias(p + norm, gamma, pre.enabled)
                 for lin in norm_consumers(modules, p, norm):
                     w, vectors = take(lin + ".weight"), input_vectors(modules[lin])
                     if not pre.enabled and vectors:  # HG: one copy per branch
@@ -116,15 +132,19 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                         vec.set_from_gamma(torch.ones(vec.size))
                     out[lin + ".weight"] = w
             att = modules[p + "self_attention"]
-            for ours, stock in _QK_STOCK.items():
-                key = f"{p}self_attention.{stock}.weight"
-                norm = getattr(att, ours)
+            for b in ("q", "k"):
+                key = f"{p}self_attention.{b}_layernorm.weight"
+                norm = qk_norm(att, b)
                 if key in stock_sd:
                     if norm is None:
                         raise ValueError(f"{key}: the target has no QK norm to receive it")
                     gamma = take(key)
                     if norm.enabled:  # 'none': dropped (allowed above)
-                        _set_vector(norm, gamma, f"{p}self_attention.{ours}", key)
+                        _set_vector(norm, gamma, f"{p}self_attention.{b}", key)
+                    if norm.bias is not None:  # ours in stock's slot: the bias as is
+                        out[key[:-len("weight")] + "bias"] = take(key[:-len("weight")] + "bias")
+                    else:  # DNP's q/k norm has none
+                        move_bias(key[:-len(".weight")], gamma, True)
                 elif norm is not None and norm.enabled:
                     norm.set_from_gamma(torch.ones(norm.size))
             for name, module in modules.items():  # DNP (dense MLP, experts, shared experts)
@@ -133,6 +153,7 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
         final = modules["decoder.final_layernorm"]
         key = "decoder.final_layernorm.weight"
         gamma = take(key)
+        move_bias("decoder.final_layernorm", gamma, final.enabled)
         if final.enabled:
             _set_vector(final, gamma, "decoder.final_layernorm", key)
         elif not torch.equal(gamma, torch.ones_like(gamma)):
@@ -171,6 +192,17 @@ def norm_consumers(modules: dict, layer: str, norm: str) -> list[str]:
             and (n.endswith("linear_fc1") or n == layer + "mlp.router")]
 
 
+def qk_norm(att, b: str):
+    """Branch ``b``'s QK-norm module of our attention: DNP's ``<b>_norm``, else ours in
+    megatron-core's ``<b>_layernorm`` slot (attention.py); None without one."""
+    from megatron_scalevec.norms import ScaleVecNorm  # noqa: PLC0415
+
+    norm = getattr(att, f"{b}_norm", None)
+    if norm is None and isinstance(getattr(att, f"{b}_layernorm", None), ScaleVecNorm):
+        norm = getattr(att, f"{b}_layernorm")
+    return norm
+
+
 def input_vectors(module) -> dict:
     """suffix -> input-side ScaleVector of a consumer (linear: per branch; router: one)."""
     vectors = getattr(vectors_of(module), "scale_in", None)
@@ -184,7 +216,7 @@ def input_vectors(module) -> dict:
 def compare_with_stock(model, stock_sd: StateDict, arch: ModelArch) -> float:
     """Max |logits(model) - logits(stock model with stock_sd)| on a sample batch."""
     ref = build_model(arch.replace(scalevec="stock"))
-    load_full_into(ref, shared_to_stock_names(stock_sd), "stock state dict")
+    load_full_into(ref, stock_sd, "stock state dict")
     tokens, pos = sample_batch(arch)
     return float((logits(model, tokens, pos) - logits(ref, tokens, pos)).abs().max())
 

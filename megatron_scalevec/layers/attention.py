@@ -6,10 +6,14 @@ normalized output side. For Q and K this is exactly QK-norm; megatron-core has n
 hence the subclass. The norms run through layers/fused.py: q and k fused with RoPE (this class
 applies RoPE itself, in ``get_query_key_value_tensors``, whenever the fused path covers the call),
 keeping only the rotated output attention keeps anyway. Under DNP the three run as one function
-on megatron-core's unsplit QKV (``split_qkv=False``): no split copy, one kernel each way. The
-norms are ``q_norm``/``k_norm``/``v_norm`` (not ``q_layernorm``) so that
-``finalize_model_grads``, which reduces names containing ``q_layernorm`` whenever
-``config.qk_layernorm`` is set, never reduces them a second time.
+on megatron-core's unsplit QKV (``split_qkv=False``): no split copy, one kernel each way. DNP's
+norms are ``q_norm``/``k_norm``/``v_norm`` (not ``q_layernorm``): their vectors' gradients are
+reduced here (sharding.py), and ``finalize_model_grads``, which reduces names containing
+``q_layernorm`` whenever ``config.qk_layernorm`` is set, never reduces them a second time.
+
+Without DNP, ``qk_layernorm`` is megatron-core's own QK-norm: our norm (its vector under the
+strategy's parameterization, LayerNorm's bias) in stock's ``q_layernorm`` / ``k_layernorm``
+slots, applied by stock's code, named and reduced (by ``finalize_model_grads``) as stock's.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def _rope_mscale(config) -> float:
 
 
 class ScaleVecSelfAttention(SelfAttention):
-    """SelfAttention + Output-Norm vectors after per-head norms (DNP, or ``--qk-layernorm``)."""
+    """SelfAttention + Output-Norm vectors after per-head norms (DNP; ``--qk-layernorm``'s in
+    stock's slots)."""
 
     def __init__(self, config, submodules, layer_number, *, scalevec: ScaleVecConfig, **kwargs):
         if submodules.q_layernorm is not None or submodules.k_layernorm is not None:
@@ -55,15 +60,19 @@ class ScaleVecSelfAttention(SelfAttention):
             raise ValueError(
                 f"scale-vector attention needs num_query_groups ({config.num_query_groups}) >= "
                 f"tensor_model_parallel_size ({self.world_size})")
-        branches = ["q", "k", "v"] if scalevec.dnp else ["q", "k"] if config.qk_layernorm else []
         place = sharding.placement("head_norm", config, self.pg_collection.tp)
         for b in ("q", "k", "v"):
             norm = None
-            if b in branches:
+            if scalevec.dnp:
                 norm = ScaleVecNorm(
                     config, self.hidden_size_per_attention_head, config.layernorm_epsilon,
                     scalevec=scalevec, kind="branch", placement=place)
             setattr(self, f"{b}_norm", norm)
+        if config.qk_layernorm and not scalevec.dnp:  # QK-norm in stock's own slots
+            for b in ("q", "k"):
+                setattr(self, f"{b}_layernorm", ScaleVecNorm(
+                    config, self.hidden_size_per_attention_head, config.layernorm_epsilon,
+                    scalevec=scalevec, kind="qk"))
         self._rope = None  # (q_freqs, k_freqs) while forward() applies RoPE itself
 
     def _fuses_rope(self, kwargs) -> bool:

@@ -11,7 +11,8 @@ module's own FP8 weight quantizer. So the fused QKV / fc1 GEMM runs once, and TE
 * dense ``linear_qkv`` / ``linear_fc1``: a ``TELayerNormColumnParallelLinear`` subclass. Under
   HG (and ``none``) its ``layer_norm_weight`` is frozen at identity (1, or 0 under
   ``layernorm_zero_centered_gamma``): not trained, not decayed, not saved. Under ``shared`` it
-  is the stock trainable gamma under the stock name.
+  is the stock trainable gamma under the stock name. A LayerNorm's ``layer_norm_bias`` stays
+  trainable (``ScaleVecConfig.layernorm_bias``, as the local norms).
 * sequential and shared experts: a ``TEColumnParallelLinear`` subclass; grouped experts:
   layers/te_grouped.py.
 * the MoE pre-norm (and the ``shared`` final norm): TE's LayerNorm or RMSNorm, scale-free
@@ -93,12 +94,15 @@ def pre_norm_has_gamma(scalevec: ScaleVecConfig) -> bool:
     return scalevec.vectors and not scalevec.hg
 
 
-def freeze_scale_free(module: torch.nn.Module, weight: str, bias: str,
-                      zero_centered: bool) -> None:
-    """Make TE's norm ``module`` scale-free: its ``weight`` a frozen identity (1, or 0 when the
-    kernel uses 1 + gamma) and its ``bias`` (LayerNorm) a frozen 0."""
-    _freeze(module, weight, 0.0 if zero_centered else 1.0)
-    if getattr(module, bias, None) is not None:
+def freeze_scale_free(module: torch.nn.Module, weight: str, bias: str, config,
+                      scalevec: ScaleVecConfig) -> None:
+    """TE's norm ``module`` as the strategy reads it: its ``weight`` a frozen identity (1, or 0
+    when the kernel uses 1 + gamma) unless the Pre-Norm keeps its gamma (``shared``); its
+    ``bias`` (LayerNorm) a frozen 0 unless ``layernorm_bias='stock'`` keeps it trainable, as
+    the local norms do (norms.py): ``N(x) + beta`` before the folded branch vectors."""
+    if not pre_norm_has_gamma(scalevec):
+        _freeze(module, weight, 0.0 if config.layernorm_zero_centered_gamma else 1.0)
+    if getattr(module, bias, None) is not None and scalevec.layernorm_bias != "stock":
         _freeze(module, bias, 0.0)
 
 

@@ -16,7 +16,7 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers.te import FoldedTELinear, freeze_scale_free, pre_norm_has_gamma
+from megatron_scalevec.layers.te import FoldedTELinear, freeze_scale_free
 from megatron_scalevec.layers.te_grouped import (
     FoldedGroupedLinear,
     GroupedExpertsVectors,
@@ -43,9 +43,7 @@ class ScaleVecTELayerNormColumnParallelLinear(FoldedTELinear, ext.TELayerNormCol
                 "parameter; use the local path for OR / ER on a shared gamma")
         super().__init__(input_size, output_size, config=config, **kwargs)
         self._init_folded(scalevec, branches, config, input_size, output_size, False)
-        if not pre_norm_has_gamma(scalevec):
-            freeze_scale_free(self, "layer_norm_weight", "layer_norm_bias",
-                              config.layernorm_zero_centered_gamma)
+        freeze_scale_free(self, "layer_norm_weight", "layer_norm_bias", config, scalevec)
 
 
 class ScaleVecTEColumnParallelLinear(FoldedTELinear, ext.TEColumnParallelLinear):
@@ -59,8 +57,9 @@ class ScaleVecTEColumnParallelLinear(FoldedTELinear, ext.TEColumnParallelLinear)
 
 class _ScaleFreeTENorm:
     """TE's LayerNorm / RMSNorm built as megatron-core's TENorm builds it; scale-free (frozen
-    identity) unless ``shared``. ``normalization``: the flavour, picked where the spec is built
-    (specs.py); a config asking for the other one is refused."""
+    identity) unless ``shared``, LayerNorm's bias trainable (te.freeze_scale_free).
+    ``normalization``: the flavour, picked where the spec is built (specs.py); a config asking
+    for the other one is refused."""
 
     normalization = ""
 
@@ -74,8 +73,7 @@ class _ScaleFreeTENorm:
         super().__init__(hidden_size, eps=eps, sequence_parallel=config.sequence_parallel,
                          zero_centered_gamma=config.layernorm_zero_centered_gamma,
                          **ext._get_extra_te_kwargs(config))
-        if not pre_norm_has_gamma(scalevec):
-            freeze_scale_free(self, "weight", "bias", config.layernorm_zero_centered_gamma)
+        freeze_scale_free(self, "weight", "bias", config, scalevec)
 
 
 class ScaleVecTELayerNorm(_ScaleFreeTENorm, ext.te.pytorch.LayerNorm):

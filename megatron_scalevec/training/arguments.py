@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-vectors", default=None, choices=("per_expert", "shared"),
                    help="MoE (default per_expert): every expert its own vectors (SPEC) or "
                         "one set per layer shared by the routed experts (fewer parameters)")
+    g.add_argument("--layernorm-bias", default="stock", choices=("stock", "none"),
+                   help="--normalization LayerNorm: keep megatron-core's LayerNorm biases, "
+                        "added before the branch vectors (stock), or none")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -217,7 +220,8 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     try:
         a.scalevec_config = ScaleVecConfig.from_string(
             a.scalevec, scale_vector_weight_decay=a.scale_vector_weight_decay,
-            decay_direction=a.decay_direction, expert_vectors=a.expert_vectors)
+            decay_direction=a.decay_direction, expert_vectors=a.expert_vectors,
+            layernorm_bias=a.layernorm_bias)
     except ValueError as e:
         raise ArgumentError(f"--scalevec: {e}") from None
     if a.spec == "scalevec_dense":

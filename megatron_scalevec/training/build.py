@@ -25,7 +25,8 @@ def run_arch(args, vocab_size: int) -> ModelArch:
         normalization=args.normalization, qk_layernorm=args.qk_layernorm,
         layernorm_epsilon=args.norm_epsilon, rotary_base=float(args.rotary_base),
         tie_embeddings=not args.untie_embeddings_and_output_weights,
-        scalevec=STOCK if args.spec == "baseline" else args.scalevec_config.to_string(), **moe)
+        scalevec=STOCK if args.spec == "baseline" else args.scalevec_config.to_string(),
+        layernorm_bias=args.scalevec_config.layernorm_bias, **moe)
 
 
 def transformer_config(args, vocab_size):

@@ -58,6 +58,8 @@ WARM = ["shared", "none", "hg", "hg+dp", "shared+or", "hg+or", "hg+er", "hg+dp+e
 
 MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
 ARCHS = {"plain": {}, "qk_norm": dict(qk_layernorm=True),
+         # LayerNorm's biases (stock's, non-zero): kept, or moved inside the branch vectors
+         "layernorm_qk_norm": dict(normalization="LayerNorm", qk_layernorm=True),
          # layer 0 MoE with a shared expert, layer 1 dense
          "moe_shared_mixed": dict(MOE, moe_shared_expert_intermediate_size=40,
                                   moe_layer_freq=[1, 0])}

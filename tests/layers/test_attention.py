@@ -50,16 +50,29 @@ def _build(strategy, stock_norms=None, **overrides):
         **({"q_layernorm": stock_norms, "k_layernorm": stock_norms} if stock_norms else {}))
     att = ScaleVecSelfAttention(cfg, sub, 1, attn_mask_type=AttnMaskType.causal,
                                 scalevec=scalevec)
-    with torch.no_grad():  # the norm vectors away from 1, the same on every rank
+    with torch.no_grad():  # the norm vectors (and biases) away from init, alike on every rank
         for i, (name, p) in enumerate(sorted(att.named_parameters())):
-            if "_norm." in name:
+            if "_norm." in name or "_layernorm." in name:
                 p.add_(0.3 * _rand(*p.shape, seed=50 + i))
     return att
 
 
+def _norm_prefix(att, b):
+    """Where branch ``b``'s per-head norm lives: DNP's ``<b>_norm``, or (``qk_layernorm``
+    without DNP) megatron-core's own ``<b>_layernorm`` slot."""
+    from megatron_scalevec.norms import ScaleVecNorm
+
+    if getattr(att, f"{b}_norm", None) is not None:
+        return f"{b}_norm."
+    if isinstance(getattr(att, f"{b}_layernorm", None), ScaleVecNorm):
+        return f"{b}_layernorm."
+    return None
+
+
 def _gamma(leaves, prefix):
     """SPEC.md's gamma of one norm's vector from leaf copies of its parameters; None without."""
-    p = {n[len(prefix):]: t for n, t in leaves.items() if n.startswith(prefix)}
+    p = {n[len(prefix):]: t for n, t in leaves.items() if n.startswith(prefix) and
+         not n.endswith(".bias")}
     if not p:
         return None
     if "weight" in p:
@@ -108,9 +121,10 @@ def _reference(x, w_qkv, w_proj, vectors, freqs, mscale, normalization):
     q = mixed[..., :hpg * HD].reshape(s, b, HEADS, HD)
     k, v = mixed[..., hpg * HD:(hpg + 1) * HD], mixed[..., (hpg + 1) * HD:]
     out = {"q": q, "k": k, "v": v}
-    for name, a in vectors.items():
+    for name, (a, beta) in vectors.items():
         normed = _n(out[name], normalization)
-        out[name] = normed if a is None else normed * a
+        normed = normed if a is None else normed * a
+        out[name] = normed if beta is None else normed + beta
     q, k, v = out["q"], out["k"], out["v"]
     if freqs is not None:
         q, k = _rope(q, freqs, mscale), _rope(k, freqs, mscale)
@@ -132,8 +146,8 @@ def _run(rank, world, strategy, rot, normalization, yarn, overrides):
     full = {"linear_qkv.weight": gather_full_tensor(params["linear_qkv.weight"], 0, tp),
             "linear_proj.weight": gather_full_tensor(params["linear_proj.weight"], 1, tp)}
     leaves = {n: full.get(n, p.detach()).clone().requires_grad_() for n, p in params.items()}
-    vectors = {b: _gamma(leaves, f"{b}_norm.") for b in "qkv"
-               if getattr(att, f"{b}_norm") is not None}
+    prefixes = {b: _norm_prefix(att, b) for b in "qkv" if _norm_prefix(att, b)}
+    vectors = {b: (_gamma(leaves, pre), leaves.get(pre + "bias")) for b, pre in prefixes.items()}
     x = _rand(SEQ, BATCH, HEADS * HD, seed=1).requires_grad_()
     ref_x = x.detach().clone().requires_grad_()
     freqs = _freqs(rot) if rot else None
@@ -144,6 +158,9 @@ def _run(rank, world, strategy, rot, normalization, yarn, overrides):
     up = _rand(*ref.shape, seed=2)
     (y * up).sum().backward()
     (ref * up).sum().backward()
+    for name, p in params.items():  # what finalize_model_grads does for stock's QK-norm slots
+        if "_layernorm." in name and world > 1:
+            torch.distributed.all_reduce(p.grad, group=tp)
     errs = {"out": _rel(y, ref), "dx": _rel(x.grad, ref_x.grad)}
     for name, p in params.items():
         ref_grad = leaves[name].grad
@@ -162,6 +179,7 @@ CASES = {  # name: (strategy, rot, normalization, yarn, config overrides, normal
     "dnp_partial_rotary": ("dnp+er", HD // 2, "RMSNorm", None, {}, "qkv"),
     "dnp_no_rope": ("dnp", None, "RMSNorm", None, {}, "qkv"),
     "qk_layernorm_only": ("shared", HD, "RMSNorm", YARN, {"qk_layernorm": True}, "qk"),
+    "qk_layernorm_bias": ("shared+or", HD, "LayerNorm", None, {"qk_layernorm": True}, "qk"),
     "qk_norm_without_vectors": ("none", HD, "RMSNorm", None, {"qk_layernorm": True}, "qk"),
 }
 
@@ -174,11 +192,15 @@ def test_attention_matches_plain_torch_attention(case):
     assert max(errs.values()) < REL, errs
 
 
-def test_tensor_parallel_two_ranks_match_the_whole_attention():
+@pytest.mark.parametrize("strategy, normalization, overrides, normed", [
+    ("dnp+or", "RMSNorm", {}, "kqv"), ("shared", "LayerNorm", {"qk_layernorm": True}, "kq")])
+def test_tensor_parallel_two_ranks_match_the_whole_attention(strategy, normalization, overrides,
+                                                             normed):
     """Each rank holds one query group; the vectors in R^head_dim are replicated and their
-    gradient summed over TP: equal to the one-process reference's."""
-    for branches, errs in run_on_ranks(_run, 2, "dnp+or", HD, "RMSNorm", YARN, {}):
-        assert branches == ["k", "q", "v"] and max(errs.values()) < REL, errs
+    gradient summed over TP (DNP's here, stock's QK-norm slots by finalize_model_grads, done by
+    hand in _run): equal to the one-process reference's."""
+    for branches, errs in run_on_ranks(_run, 2, strategy, HD, normalization, YARN, overrides):
+        assert branches == sorted(normed) and max(errs.values()) < REL, errs
 
 
 def _structure(rank, world):

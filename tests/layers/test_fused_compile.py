@@ -340,7 +340,7 @@ def test_compiled_norm_matches_the_composite(compiles, normalization):
     for g in (gamma, None):
         inputs = (x, g) if g is not None else (x,)
         with _mode("on"):
-            got = _grads(lambda g=g: norms._ScaledNorm.apply(x, g, layer, 1e-5, None, 16),
+            got = _grads(lambda g=g: norms._ScaledNorm.apply(x, g, None, layer, 1e-5, None, 16),
                          inputs, dy)
         ref = _grads(lambda g=g: torch_norm(x, (16,), g, eps=1e-5), inputs, dy)
         for name, a, b in zip(("out", "dx", "dgamma"), got, ref):
