@@ -31,7 +31,9 @@ the shim changes, and why (each only what a CPU cannot answer, never the model o
 8   gloo's two worker threads              one (scalevec_testing.distributed)
 9   ``--transformer-impl                   TE's real Python over te_stub's kernels;
     transformer_engine``                   ``cuda_claimed`` around building the model
-                                           and each training / evaluation step
+                                           and each forward-backward schedule (not the
+                                           optimizer: torch's asks a CUDA build's
+                                           driver once CUDA is claimed)
 ==  =====================================  ============================================
 
 Each rank writes a JSON record (the parameter names and shapes of every model chunk, the loss
@@ -64,6 +66,85 @@ CPU_FLAGS = ("--no-gradient-accumulation-fusion --no-persist-layer-norm "
              "--no-bias-dropout-fusion --no-rope-fusion --use-cpu-initialization "
              "--distributed-backend gloo").split()
 SPEC = ["--spec", "megatron_scalevec.megatron_lm_spec"]
+# a tiny model on Megatron-LM's mock data; its defaults otherwise (LayerNorm with biases, GELU,
+# linear biases, absolute positions unless a case says rope)
+TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
+        "--train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 128 "
+        "--log-interval 1 --eval-iters 0 --eval-interval 1000 --seed 1234").split()
+LOCAL = ["--transformer-impl", "local"]
+TE = ["--transformer-impl", "transformer_engine"]  # TE's Python over te_stub's kernels
+MOE = "--num-experts 4 --moe-router-topk 2 --disable-bias-linear".split()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One flag set of Megatron-LM's, run stock (no ``--spec``) and with ours."""
+
+    flags: tuple
+    nproc: int = 1
+    spec: str = "scalevec_dense"
+
+    @property
+    def te(self) -> bool:
+        return "transformer_engine" in self.flags
+
+    def argv(self, strategy: Optional[str]) -> list:
+        return [*TINY, *self.flags, *([] if strategy is None else [*SPEC, self.spec])]
+
+    def env(self, strategy: Optional[str]) -> dict:
+        env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron-LM asks it of TP > 1
+        if strategy is not None:
+            env["MEGATRON_SCALEVEC"] = strategy
+        return env
+
+
+def _case(flags: str, nproc: int = 1, spec: str = "scalevec_dense", base=LOCAL) -> Case:
+    return Case(tuple(base) + tuple(flags.split()), nproc, spec)
+
+
+CASES = {
+    # Megatron-LM's defaults: LayerNorm with biases, GELU, biased linears, learned positions
+    "layernorm_defaults": _case(""),
+    "rmsnorm_swiglu_rope": _case("--normalization RMSNorm --swiglu --disable-bias-linear "
+                                 "--position-embedding-type rope"),
+    "qk_layernorm": _case("--qk-layernorm --position-embedding-type rope"),
+    # stock's local norm refuses sequence parallelism without Apex: the TE layout
+    "tp2_sp": _case("--tensor-model-parallel-size 2 --sequence-parallel", 2, base=TE),
+    "pp2_vpp_moe": _case(" ".join(MOE) + " --pipeline-model-parallel-size 2 "
+                         "--num-layers-per-virtual-pipeline-stage 1 --moe-layer-freq [1,0,0,0]",
+                         2, "scalevec_moe"),
+    "pp2_uneven_moe": _case(" ".join(MOE) + " --pipeline-model-parallel-size 2 "
+                            "--decoder-first-pipeline-num-layers 1 --moe-layer-freq [0,1,0,1]",
+                            2, "scalevec_moe"),
+    # local grouped GEMM needs the CUDA-only grouped_gemm package: TE's grouped experts
+    "ep2_grouped": _case(" ".join(MOE) + " --expert-model-parallel-size 2 --moe-grouped-gemm "
+                         "--moe-token-dispatcher-type alltoall", 2, "scalevec_moe", base=TE),
+    "dp2_distopt_overlap": _case("--use-distributed-optimizer --overlap-grad-reduce "
+                                 "--overlap-param-gather", 2),
+}
+
+
+def strategy_string(text: str) -> str:
+    """The canonical name of a strategy (``unified`` -> ``hg+dnp+or+iwd``)."""
+    from megatron_scalevec.config import ScaleVecConfig
+
+    return ScaleVecConfig.from_string(text).to_string()
+
+
+def layer_kinds(params: list) -> list:
+    """Per model chunk, ``{local layer: 'moe' | 'dense'}`` from parameter names."""
+    kinds = []
+    for chunk in params:
+        layers = {}
+        for name, _ in chunk:
+            parts = name.split(".")
+            if "layers" in parts and parts[parts.index("layers") + 1].isdigit():
+                i = int(parts[parts.index("layers") + 1])
+                moe = ".mlp.router." in name or ".mlp.experts." in name
+                layers[i] = "moe" if moe or layers.get(i) == "moe" else "dense"
+        kinds.append(layers)
+    return kinds
 
 
 def checkout() -> Optional[str]:
@@ -72,18 +153,19 @@ def checkout() -> Optional[str]:
     return root or None
 
 
-def skip_reason() -> Optional[str]:
-    """Why the Megatron-LM tests cannot run here, or None. Raises where CI requires them."""
+def missing() -> Optional[str]:
+    """Why the Megatron-LM tests cannot run here, or None."""
     root = checkout()
     if root is None:
-        reason = f"{ENV_ROOT} is not set (a Megatron-LM checkout; .ci/run sets it)"
-    elif not os.path.isfile(os.path.join(root, "pretrain_gpt.py")):
-        reason = f"{ENV_ROOT}={root} has no pretrain_gpt.py"
-    else:
-        return None
-    if os.environ.get(ENV_REQUIRE) == "1":
-        raise RuntimeError(f"{ENV_REQUIRE}=1 but {reason}")
-    return reason
+        return f"{ENV_ROOT} is not set (a Megatron-LM checkout; .ci/run sets it)"
+    if not os.path.isfile(os.path.join(root, "pretrain_gpt.py")):
+        return f"{ENV_ROOT}={root} has no pretrain_gpt.py"
+    return None
+
+
+def required() -> bool:
+    """CI requires the Megatron-LM tests (``MEGATRON_SCALEVEC_REQUIRE_MEGATRON_LM=1``)."""
+    return os.environ.get(ENV_REQUIRE) == "1"
 
 
 @dataclass
@@ -119,8 +201,11 @@ def _free_port() -> int:
 
 
 def run(args: list, out_dir: str, nproc: int = 1, env: Optional[dict] = None,
-        timeout: float = 240) -> Result:
-    """Run ``pretrain_gpt.py args`` (plus :data:`CPU_FLAGS`) on ``nproc`` CPU ranks."""
+        timeout: float = 300, rank_env: Optional[dict] = None) -> Result:
+    """Run ``pretrain_gpt.py args`` (plus :data:`CPU_FLAGS`) on ``nproc`` CPU ranks;
+    ``rank_env``: ``{rank: variables}`` set on that rank only."""
+    if missing():
+        raise RuntimeError(f"{ENV_REQUIRE}={os.environ.get(ENV_REQUIRE, '')!r}: {missing()}")
     os.makedirs(out_dir, exist_ok=True)
     port = _free_port()
     base = {**os.environ, **(env or {})}
@@ -128,12 +213,13 @@ def run(args: list, out_dir: str, nproc: int = 1, env: Optional[dict] = None,
     base["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, base.get("PYTHONPATH")) if p)
     procs = []
     for rank in range(nproc):
-        rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env_r = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                     **(rank_env or {}).get(rank, {}))
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")  # noqa: SIM115
         procs.append((subprocess.Popen(
             [sys.executable, "-m", "scalevec_testing.megatron_lm", out_dir, *args, *CPU_FLAGS],
-            env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+            env=env_r, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + timeout
     codes = []
     try:
@@ -252,10 +338,15 @@ def _record(training, record: dict, claim) -> None:
             record["loss"][iteration] = {k: float(v) for k, v in loss_dict.items()}
         return log(loss_dict, total_loss_dict, lr, iteration, *args, **kwargs)
 
+    schedule = training.get_forward_backward_func
+
+    @functools.wraps(schedule)
+    def get_forward_backward_func(*args, **kwargs):  # TE's forward and backward, not the
+        return _claimed(schedule(*args, **kwargs), claim)  # optimizer (torch's asks CUDA)
+
     training.setup_model_and_optimizer = setup_model_and_optimizer
     training.training_log = training_log
-    training.train_step = _claimed(training.train_step, claim)
-    training.evaluate = _claimed(training.evaluate, claim)
+    training.get_forward_backward_func = get_forward_backward_func
 
 
 def main(argv=None) -> int:

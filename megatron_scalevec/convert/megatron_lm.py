@@ -70,11 +70,11 @@ def read_args(path: str) -> dict:
     import torch  # noqa: PLC0415
     from megatron.core.safe_globals import SAFE_GLOBALS  # noqa: PLC0415 (megatron-core's list)
 
-    from megatron_scalevec.convert.safe_load import no_code_on_load  # noqa: PLC0415
+    from megatron_scalevec.convert.safe_load import allowed_globals, no_code_on_load  # noqa: PLC0415
 
     file = os.path.join(path, COMMON)
     try:
-        with no_code_on_load(), torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+        with no_code_on_load(), allowed_globals(list(SAFE_GLOBALS)):
             common = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- a truncated file or a refused global: one line
         raise ValueError(f"{file}: not a readable Megatron-LM common state "

@@ -73,6 +73,16 @@ def _numpy_rng_globals() -> list:
 
 
 @contextlib.contextmanager
+def allowed_globals(globals_: list):
+    """``torch.serialization.safe_globals`` that adds only what is not allowed yet: torch's
+    context removes every global it names on exit (torch 2.13), those megatron-core registered
+    for its own loads at import (``Namespace``, numpy's) included, which then fail."""
+    new = [g for g in globals_ if g not in torch.serialization.get_safe_globals()]
+    with torch.serialization.safe_globals(new):
+        yield
+
+
+@contextlib.contextmanager
 def no_code_on_load():
     """While loading a checkpoint: the DCP ``.metadata`` file through the data-only unpickler
     and every ``torch.load`` with ``weights_only=True`` (even where the caller passes
@@ -90,7 +100,7 @@ def no_code_on_load():
 
     torch.load, fs.pickle = weights_only_load, SafePickleModule
     try:
-        with torch.serialization.safe_globals(_numpy_rng_globals()):
+        with allowed_globals(_numpy_rng_globals()):
             yield
     finally:
         torch.load, fs.pickle = orig_load, orig_pickle

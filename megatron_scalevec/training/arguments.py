@@ -153,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--split", default="98,2,0")
-    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--data-cache-path", default=None,
+                   help="megatron-core's index cache (default: beside the data, as "
+                        "Megatron-LM) and the embedded default's files (default: "
+                        "~/.cache/megatron_scalevec)")
     g.add_argument("--mock-data", action="store_true",
                    help="megatron-core's MockGPTDataset (no corpus, no tokenizer)")
 

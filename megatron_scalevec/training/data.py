@@ -2,18 +2,23 @@
 
 With ``data_path`` given, ``build_datasets`` reads Megatron indexed datasets (``.bin/.idx``, made
 by ``tools/preprocess_data.py``) through megatron-core's ``BlendedMegatronDatasetBuilder``. With
-no ``data_path`` it builds the embedded default, cached under ``cache_dir`` (a shared filesystem
-when several nodes train, as for Megatron-LM's ``--data-cache-path``):
+no ``data_path`` it builds the embedded default under ``cache_dir`` (``--data-cache-path``; by
+default ``~/.cache/megatron_scalevec``):
 
     corpus/python-<ver>-stdlib-<cap>-<chunk>-v1.jsonl   the Python standard library's source
     tokenizer/stdlib-spm<vocab>.model (+ .vocab, .meta.json)   BPE trained on it
     data/stdlib-<key>_text_document.bin/.idx             the corpus tokenized, EOD per document
-    indices/                                             megatron's sample/shuffle index cache
+
+megatron-core's sample/shuffle index cache goes where Megatron-LM puts it: in
+``--data-cache-path`` when given, else beside the data (``<prefix>/cache/GPTDataset_indices``).
 
 Every file is written to a temporary name and renamed, so an interrupted build leaves no partial
-artifact; the next run rebuilds only what is missing. Under ``torch.distributed`` rank 0 builds
-and the others wait for it; megatron's own index cache is built the same way by its builder.
-Corpus and tokenizer code lives in ``corpus.py`` and is re-exported here.
+artifact; the next run rebuilds only what is missing. Several nodes need not share a filesystem
+(a home directory per node): global rank 0 builds first, then the first rank of every other node
+(torchrun's ``LOCAL_RANK`` 0) builds what its node does not see yet (on a shared filesystem it
+finds rank 0's files and writes nothing), and only then does every rank read; the nodes' embedded
+data must come out the same (checked: one line if not). Corpus and tokenizer code lives in
+``corpus.py`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -144,23 +149,64 @@ def _check_splits(prefixes, split_matrix, sizes, seq_length):
                 )
 
 
-def _on_rank0(fn: Callable, *args, **kwargs):
-    """Run ``fn`` on rank 0 only; every rank gets its result, or raises if rank 0 failed."""
+def _is_node_builder() -> bool:
+    """This rank builds its node's files: global rank 0, and the first rank of every node
+    (torchrun's ``LOCAL_RANK`` 0; without it, one node)."""
+    dist = torch.distributed
+    local = os.environ.get("LOCAL_RANK")
+    return dist.get_rank() == 0 or (local is not None and int(local) == 0)
+
+
+def _per_node(fn: Callable, *args, **kwargs) -> None:
+    """``fn`` on global rank 0, then on the first rank of every other node (each node's
+    filesystem gets what it lacks); every rank waits for both rounds, and a failure on any
+    builder is raised on every rank."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return fn(*args, **kwargs)
-    box, err = [None, None], None
-    if dist.get_rank() == 0:
-        try:
-            box[0] = fn(*args, **kwargs)
-        except Exception as e:  # shared with the other ranks, then re-raised
-            err, box[1] = e, f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(box, src=0)
-    if err is not None:
-        raise err
-    if box[1] is not None:
-        raise RuntimeError(f"rank 0 failed to build the data: {box[1]}")
-    return box[0]
+        fn(*args, **kwargs)
+        return
+    for round_ in (0, 1):
+        err = None
+        mine = dist.get_rank() == 0 if round_ == 0 else (_is_node_builder() and
+                                                         dist.get_rank() != 0)
+        if mine:
+            try:
+                fn(*args, **kwargs)
+            except Exception as e:  # shared with the other ranks, then re-raised
+                err = e
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if err is None else f"{type(err).__name__}: {err}")
+        if err is not None:
+            raise err
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]} failed to build the data: {failed[0][1]}")
+
+
+def _same_on_every_rank(value: str, what: str) -> None:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, value)
+    if len(set(seen)) > 1:
+        odd = next(r for r, v in enumerate(seen) if v != seen[0])
+        raise DataPathError(f"the nodes built different {what} (rank 0: {seen[0]}, rank {odd}: "
+                            f"{seen[odd]}): pass --data-cache-path on a filesystem every node "
+                            f"shares")
+
+
+@contextlib.contextmanager
+def _as_one_process():
+    """megatron-core's dataset builder as in a single process (no barriers, this rank builds
+    and saves its index cache): a node's builder making the files its node reads."""
+    dist = torch.distributed
+    saved = dist.is_initialized, dist.get_rank
+    dist.is_initialized, dist.get_rank = (lambda: False), (lambda group=None: 0)
+    try:
+        yield
+    finally:
+        dist.is_initialized, dist.get_rank = saved
 
 
 def embedded_dataset(
@@ -173,7 +219,8 @@ def embedded_dataset(
 ) -> tuple[str, str]:
     """Build (once) the embedded default; return ``(indexed_dataset_prefix, tokenizer_model)``.
 
-    Not distributed-aware: ``build_datasets`` calls it on rank 0 only.
+    Not distributed-aware: ``build_datasets`` calls it on each node's builder first (which
+    builds what is missing), then on every rank (which only reads).
     """
     from megatron_scalevec.training.preprocess import preprocess
 
@@ -225,9 +272,10 @@ def build_datasets(
 
     cache = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
     if data_path is None or len(data_path) == 0:
-        prefix, tokenizer_model = _on_rank0(  # one process: no fork inside a trainer rank
-            embedded_dataset, cache, tokenizer_model, vocab_size, corpus_max_bytes, chunk_bytes
-        )
+        embedded = (cache, tokenizer_model, vocab_size, corpus_max_bytes, chunk_bytes)
+        _per_node(embedded_dataset, *embedded)  # one process: no fork inside a trainer rank
+        prefix, tokenizer_model = embedded_dataset(*embedded)  # built: only reads
+        _same_on_every_rank(os.path.basename(prefix), "embedded data (corpus or tokenizer)")
         prefixes, weights = [prefix], None
     else:
         if tokenizer_model is None:
@@ -239,18 +287,27 @@ def build_datasets(
         # given: a relative one would reuse another directory's same-named dataset's indices
         prefixes = [os.path.abspath(p) for p in prefixes]
     tokenizer = SentencePieceTokenizer(tokenizer_model)
-    config = GPTDatasetConfig(
+    config = GPTDatasetConfig(  # index cache: --data-cache-path, else beside the data
         random_seed=int(seed), sequence_length=int(seq_length), blend=(prefixes, weights),
-        split=split, path_to_cache=os.path.join(cache, "indices"), tokenizer=tokenizer,
+        split=split, path_to_cache=os.path.abspath(os.path.expanduser(cache_dir))
+        if cache_dir else None, tokenizer=tokenizer,
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False,
     )
     sizes = [int(train_samples), int(valid_samples), 0]
     _check_splits(prefixes, config.split_matrix, sizes, int(seq_length))
+
+    def build():
+        return BlendedMegatronDatasetBuilder(
+            GPTDataset, sizes, is_built_on_rank or (lambda: True), config).build()
+
+    def build_alone():
+        with _as_one_process(), _single_process_rank():
+            build()
+
+    _per_node(build_alone)  # each node's index cache, before anyone reads it
     with _single_process_rank():
-        train, valid, _ = BlendedMegatronDatasetBuilder(
-            GPTDataset, sizes, is_built_on_rank or (lambda: True), config
-        ).build()
+        train, valid, _ = build()
     return train, valid, tokenizer
 
 

@@ -163,7 +163,8 @@ def test_build_datasets_embedded_default_is_cached(tmp_path):
     assert train[1]["tokens"].shape == (64,) and int(train[1]["tokens"].max()) < VOCAB
     files = {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns
              for r, _, fs in os.walk(tmp_path) for f in fs}
-    assert {"corpus", "tokenizer", "data", "indices"} <= set(os.listdir(tmp_path))
+    assert {"corpus", "tokenizer", "data"} <= set(os.listdir(tmp_path))
+    assert list(tmp_path.glob("*-GPTDataset-train-*.npy"))  # the index cache, as Megatron-LM's
     again, _, _ = data.build_datasets(None, None, 64, 3, 50, 10, cache_dir=str(tmp_path), **kw)
     assert torch.equal(again[5]["tokens"], train[5]["tokens"])
     assert {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns
@@ -243,10 +244,13 @@ def test_bad_data_paths_name_the_path(tmp_path, prefix, tok_model):
                             cache_dir=str(tmp_path))
 
 
-def _build_on_rank(rank, world_size, cache_dir, kw):
+def _build_on_rank(rank, world_size, cache_dir, kw, env=None):
+    from megatron_scalevec.training import preprocess
+
+    os.environ.update((env or {}).get(rank, {}))
     calls = []
-    real = data.embedded_dataset
-    data.embedded_dataset = lambda *a, **k: calls.append(rank) or real(*a, **k)
+    real = preprocess.preprocess  # the corpus tokenized: what building the data means
+    preprocess.preprocess = lambda *a, **k: calls.append(rank) or real(*a, **k)
     train, valid, tok = data.build_datasets(None, None, 32, 11, 40, 8, cache_dir=cache_dir, **kw)
     it = data.make_batch_iterator(train, 2, rank, world_size, 0, 11)
     return len(calls), len(train), len(valid), train[7]["tokens"].tolist(), next(it)["tokens"]
@@ -260,6 +264,30 @@ def test_build_datasets_on_two_gloo_ranks(tmp_path):
     assert [o[0] for o in out] == [1, 0]  # only rank 0 built the embedded cache
     assert out[0][1:4] == out[1][1:4]  # the others read the same datasets
     assert not torch.equal(out[0][4], out[1][4])  # each rank its own slice of the batch
+
+
+def test_nodes_without_a_shared_home_build_their_own_copy(tmp_path):
+    """Two "nodes" (each rank LOCAL_RANK 0, as torchrun sets it on one node each) whose HOMEs
+    differ: each builds the embedded default and its index cache in its own home (none given:
+    the default cache, ~/.cache/megatron_scalevec) and both read the same datasets; nodes
+    whose copies came out different (another corpus size here) are refused on every rank."""
+    from scalevec_testing.distributed import RankError, run_on_ranks
+
+    kw = dict(vocab_size=VOCAB, corpus_max_bytes=200_000, chunk_bytes=4096)
+    env = {r: {"HOME": str(tmp_path / f"home{r}"), "LOCAL_RANK": "0"} for r in (0, 1)}
+    out = run_on_ranks(_build_on_rank, 2, None, kw, env, timeout=180)
+    assert [o[0] for o in out] == [1, 1]  # one build per node
+    assert out[0][1:4] == out[1][1:4]
+    for r in (0, 1):
+        assert list((tmp_path / f"home{r}").glob(".cache/megatron_scalevec/data/*/cache/*/*.npy"))
+    with pytest.raises(RankError, match="nodes built different embedded data"):
+        run_on_ranks(_build_with_corpus, 2, env, timeout=180)
+
+
+def _build_with_corpus(rank, world_size, env):
+    os.environ.update(env[rank])
+    data.build_datasets(None, None, 32, 11, 40, 8, vocab_size=VOCAB, chunk_bytes=4096,
+                        corpus_max_bytes=200_000 + 50_000 * rank)
 
 
 def _build_with(rank, world_size, cache_dir, tokenizer_model):

@@ -158,6 +158,28 @@ def test_no_code_on_load_forces_weights_only(tmp_path):
     assert not marker.exists()
 
 
+def test_the_guard_leaves_megatron_cores_allowed_globals(tmp_path):
+    """megatron-core allow-lists its checkpoints' classes (argparse.Namespace, numpy's) at
+    import; torch's safe_globals context removes what it names on exit, so a guard that named
+    them would break Megatron-LM's next load of its own common.pt (seen in
+    tests/megatron_lm/test_checkpoints.py's resume)."""
+    import argparse
+
+    import megatron.core  # noqa: F401 -- registers its safe globals
+
+    from megatron_scalevec.convert.safe_load import allowed_globals, no_code_on_load
+
+    before = set(torch.serialization.get_safe_globals())
+    assert argparse.Namespace in before
+    with no_code_on_load(), allowed_globals([argparse.Namespace, int]):
+        pass
+    assert set(torch.serialization.get_safe_globals()) == before
+    buf = io.BytesIO()
+    torch.save({"args": argparse.Namespace(a=1)}, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True)["args"].a == 1
+
+
 def test_other_model_is_refused_before_build(ck, tmp_path, monkeypatch):
     for flags, msg in ((["--ffn-hidden-size", "128"], "ffn_hidden_size=64 in the checkpoint, "
                         "128 in this run"),

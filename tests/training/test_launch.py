@@ -129,3 +129,31 @@ def test_slurm_launch_command(tmp_path):
     assert trainer_args[-2:] == ["--seed", "7"]
     a = parse_args(trainer_args, world_size=16)
     assert a.tensor_model_parallel_size == 2 and a.data_parallel_size == 8 and a.seed == 7
+
+
+def test_two_nodes_with_their_own_home_directories(tmp_path, small_corpus, spm_model):
+    """Nodes that share no home directory (two torchrun agents, HOME apart): the index cache is
+    built beside the data (a directory both see), never under ~/.cache, and the run trains."""
+    from megatron_scalevec.training.preprocess import preprocess
+
+    data = tmp_path / "data"
+    data.mkdir()
+    preprocess([small_corpus], str(data / "corpus"), spm_model, progress=False)
+    port, procs = _port(), []
+    for rank in (0, 1):
+        home = tmp_path / f"home{rank}"
+        home.mkdir()
+        env = dict(os.environ, HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
+                   MEGATRON_SCALEVEC_TINY="1", PATH=BIN + os.pathsep + os.environ["PATH"])
+        procs.append(subprocess.Popen(
+            [os.path.join(BIN, "torchrun"), "--nnodes", "2", "--node-rank", str(rank),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "pretrain_gpt.py", "--spec", "scalevec_dense", "--data-path",
+             str(data / "corpus_text_document"), "--tokenizer-model", spm_model,
+             "--run-dir", str(tmp_path / "run"), "--distributed-timeout-minutes", "1"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = _wait(procs)
+    assert [rc for rc, *_ in out] == [0, 0], out[0][2][-3000:] + out[1][2][-3000:]
+    assert list((data / "corpus_text_document" / "cache").glob("GPTDataset_indices/*.npy"))
+    for rank in (0, 1):
+        assert not (tmp_path / f"home{rank}" / ".cache" / "megatron_scalevec").exists()
