@@ -37,7 +37,7 @@ def root(tmp_path_factory):
     return str(tmp_path_factory.mktemp("megatron_lm_ckpt"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _train(root, strategy, name, extra=()):
     """``strategy`` (None: stock) over FLAGS + ``extra``; its output directory is ``name``."""
     spec = [] if strategy is None else [*M.SPEC, "scalevec_dense"]

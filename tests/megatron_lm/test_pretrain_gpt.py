@@ -23,7 +23,7 @@ pytestmark = needs_megatron_lm
 REL = 1e-5  # first iterations' losses, shared vs stock (our norms' backward is hand-written)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _run(case: str, strategy, root: str) -> M.Result:
     """One run of a case (each is shared by the tests that read it)."""
     c = M.CASES[case]
