@@ -20,7 +20,12 @@ import sys
 
 from megatron_scalevec import megatron_lm
 
-scalevec_dense, scalevec_moe = megatron_lm.spec_objects()
+try:
+    scalevec_dense, scalevec_moe = megatron_lm.spec_objects()
+except ValueError as e:  # a strategy variable that does not parse
+    if "megatron.training" in sys.modules:
+        megatron_lm.refuse(str(e))  # one line, exit 2, on every rank
+    raise
 
 if "megatron.training" in sys.modules:  # imported by Megatron-LM's --spec
     megatron_lm.install_block_hook()  # each model chunk's layers for its own stage

@@ -117,6 +117,9 @@ CASES = {
     "pp2_uneven_moe": _case(" ".join(MOE) + " --pipeline-model-parallel-size 2 "
                             "--decoder-first-pipeline-num-layers 1 --moe-layer-freq [0,1,0,1]",
                             2, "scalevec_moe"),
+    "pp2_embedding_split_moe": _case(" ".join(MOE) + " --pipeline-model-parallel-size 2 "
+                                     "--account-for-embedding-in-pipeline-split --num-layers 5 "
+                                     "--moe-layer-freq [0,1,1,0,1]", 2, "scalevec_moe"),
     # local grouped GEMM needs the CUDA-only grouped_gemm package: TE's grouped experts
     "ep2_grouped": _case(" ".join(MOE) + " --expert-model-parallel-size 2 --moe-grouped-gemm "
                          "--moe-token-dispatcher-type alltoall", 2, "scalevec_moe", base=TE),

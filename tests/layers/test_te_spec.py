@@ -295,6 +295,11 @@ def _run_vs_local(rank, world, strategy, experts, grouped, tp, tmp, extra=None):
     kw = dict(te_moe(experts), sequence_parallel=tp > 1, **(extra or {}))
     local = M.build_gpt(M.tiny_config(**kw), strategy)
     M.perturb_vectors(local)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # LayerNorm's biases away from 0: where each adds them shows
+        for name, p in local.named_parameters():
+            if name.endswith("layernorm.bias"):
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
     M.save_model(local, os.path.join(tmp, "local"))
     model = te_model(strategy, **{**kw, "moe_grouped_gemm": grouped})
     state = dist_checkpointing.load(M.te_as_local_keys(model.sharded_state_dict()),
@@ -333,13 +338,15 @@ EXTRA_CASES = [  # options users run with: biases (no DP: it refuses a bias), ze
     ("hg+dnp", 4, True, dict(add_bias_linear=True)),
     ("unified", 0, False, dict(layernorm_zero_centered_gamma=True)),
     ("unified", 4, True, dict(layernorm_zero_centered_gamma=True)),
+    # LayerNorm's bias before the folded branch vectors: TE's fused LayerNorm, ours alike
+    ("hg+dp", 4, True, dict(normalization="LayerNorm")),
 ]
 
 
 @needs_te
 @pytest.mark.parametrize("strategy,experts,grouped,extra", EXTRA_CASES,
                          ids=["bias", "bias-te_grouped", "zero_centered",
-                              "zero_centered-te_grouped"])
+                              "zero_centered-te_grouped", "layernorm_bias-te_grouped"])
 def test_te_forward_backward_equal_local_path_with_options(tmp_path, strategy, experts, grouped,
                                                            extra):
     r = run_on_ranks(_run_vs_local, 1, strategy, experts, grouped, 1, str(tmp_path), extra)[0]
