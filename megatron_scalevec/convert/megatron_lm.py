@@ -3,9 +3,11 @@
 Megatron-LM (``pretrain_gpt.py --save DIR``) writes ``DIR/latest_checkpointed_iteration.txt``
 (an iteration number, or ``release``) and one folder per save, ``DIR/iter_0000100/`` (or
 ``DIR/release/``). In its default ``torch_dist`` format that folder is a dist checkpoint
-(``metadata.json``, ``*.distcp``) plus ``common.pt``, whose ``args`` are the run's parsed
-arguments (an ``argparse.Namespace`` of plain values, megatron-core enums and torch dtypes,
-which megatron-core allow-lists for ``weights_only`` loading). Those args say everything a
+(``metadata.json``, ``*.distcp``) whose common state (``common.pt`` up to megatron-core 0.18,
+a ``common_state`` object inside the ``.distcp`` files from 0.19; megatron-core's
+``load_common_state_dict`` reads either) holds ``args``, the run's parsed arguments (an
+``argparse.Namespace`` of plain values, megatron-core enums and torch dtypes, which
+megatron-core allow-lists for ``weights_only`` loading). Those args say everything a
 converter needs: :func:`arch_from_args` builds the :class:`ModelArch` (so ``--arch`` is not
 needed) and refuses, naming the flag, what the converter's models cannot express; the
 strategy our ``--spec`` records there (``args.scalevec``, megatron_lm_strategy.py) says which
@@ -21,7 +23,6 @@ from typing import Optional
 from megatron_scalevec.convert.arch import STOCK, ModelArch
 
 TRACKER = "latest_checkpointed_iteration.txt"
-COMMON = "common.pt"
 ARGS_KEY = "scalevec"  # the attribute our --spec module sets on Megatron-LM's args
 SPEC_MODULE = "megatron_scalevec.megatron_lm_spec"
 
@@ -47,9 +48,15 @@ def resolve_save_dir(path: str) -> str:
 
 
 def is_megatron_lm_checkpoint(path: str) -> bool:
-    """An iteration folder Megatron-LM wrote in ``torch_dist`` (its ``common.pt``)."""
-    return os.path.isfile(os.path.join(path, COMMON)) and \
-        os.path.isfile(os.path.join(path, "metadata.json"))
+    """An iteration folder Megatron-LM wrote in ``torch_dist``: a dist checkpoint whose common
+    state holds its ``args``."""
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        return False
+    try:
+        read_args(path)
+    except ValueError:
+        return False
+    return True
 
 
 def is_legacy_checkpoint(path: str) -> bool:
@@ -67,22 +74,22 @@ def legacy_refusal(path: str) -> str:
 
 def read_args(path: str) -> dict:
     """``vars(args)`` of the iteration folder ``path`` (weights-only: no code runs)."""
-    import torch  # noqa: PLC0415
+    from megatron.core import dist_checkpointing  # noqa: PLC0415
     from megatron.core.safe_globals import SAFE_GLOBALS  # noqa: PLC0415 (megatron-core's list)
 
     from megatron_scalevec.convert.safe_load import allowed_globals, no_code_on_load  # noqa: PLC0415
 
-    file = os.path.join(path, COMMON)
     try:
         with no_code_on_load(), allowed_globals(list(SAFE_GLOBALS)):
-            common = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- a truncated file or a refused global: one line
-        raise ValueError(f"{file}: not a readable Megatron-LM common state "
+            common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as e:  # noqa: BLE001 -- truncated, refused, or no common state: one line
+        raise ValueError(f"{path}: no readable Megatron-LM common state "
                          f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
                          ) from None
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
-        raise ValueError(f"{file} holds no 'args' (not written by Megatron-LM's training loop)")
+        raise ValueError(f"{path}: its common state holds no 'args' (not written by "
+                         f"Megatron-LM's training loop)")
     return dict(vars(args))
 
 
