@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--eval-iters", type=int, default=4)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="also log the scalars to TensorBoard (pip install "
+                        "'megatron_scalevec[tensorboard]')")
     g.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl and the loss plot go (default: --save, else "
                         "--load, else runs/<spec>-<strategy>-l<layers>-h<hidden>[-e<experts>]"
@@ -336,6 +338,9 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     if a.data_path and a.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
 
+    _need(a.tensorboard_dir is None or importlib.util.find_spec("tensorboard") is not None,
+          "--tensorboard-dir needs the tensorboard package: pip install "
+          "'megatron_scalevec[tensorboard]' (or drop it: metrics.jsonl has the same scalars)")
     _need(not a.moe_grouped_gemm or bool(a.num_experts),
           "--moe-grouped-gemm applies to MoE experts; this model is dense (no --num-experts)")
     have_te = importlib.util.find_spec("transformer_engine") is not None
