@@ -111,19 +111,19 @@ def _model_sd(model) -> dict:
     return {f"model{i}": _gpt(m).sharded_state_dict() for i, m in enumerate(model)}
 
 
-def _merged_model_sd(sd: dict) -> dict:
-    out = {}
-    for k, v in sd.items():
-        if k.startswith("model"):
-            out.update(v)
-    return out
+def _models_sd(sd: dict) -> dict:
+    """The model part the optimizer maps its parameters through: the chunks' state dicts side
+    by side (``model0``, ``model1``, ...), as Megatron-LM passes them. Merged into one dict,
+    virtual-pipeline chunks collide: each names its layers from 0."""
+    return sd["model"] if "model" in sd else {k: v for k, v in sd.items()
+                                               if k.startswith("model")}
 
 
 def _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, is_loading,
                 with_rng=True, with_optim=True):
     sd = _model_sd(model)
     if with_optim and optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(_merged_model_sd(sd), is_loading=is_loading,
+        sd["optimizer"] = optimizer.sharded_state_dict(_models_sd(sd), is_loading=is_loading,
                                                        metadata=OPTIM_METADATA)
         sd["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
