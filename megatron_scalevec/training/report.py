@@ -44,13 +44,13 @@ def plot(args, log) -> None:
 
 def launcher() -> str:
     """How this process was started, as a command a user can type again."""
-    arg0 = sys.argv[0] if sys.argv else ""
-    if os.path.basename(arg0).startswith("megatron-scalevec"):  # the console script
-        return "megatron-scalevec-pretrain"
-    script = arg0 if arg0.endswith("pretrain_gpt.py") else "pretrain_gpt.py"
     from megatron_scalevec.training.arguments import TINY_ENV  # noqa: PLC0415
 
     tiny = f"{TINY_ENV}=1 " if os.environ.get(TINY_ENV, "") not in ("", "0") else ""
+    arg0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(arg0).startswith("megatron-scalevec"):  # the console script
+        return f"{tiny}megatron-scalevec-pretrain"
+    script = arg0 if arg0.endswith("pretrain_gpt.py") else "pretrain_gpt.py"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return f"{tiny}python {script}"
