@@ -3,6 +3,8 @@ the GPTModel chunks in megatron-core DDP, the LR scheduler and the datasets."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_scalevec.convert.arch import STOCK, ModelArch
@@ -163,5 +165,6 @@ def datasets(args):
     else:
         train, valid, tok = data.build_datasets(
             args.data_path, args.tokenizer_model, args.seq_length, args.seed, n_train, n_valid,
-            split=args.split, cache_dir=args.data_cache_path)
+            split=args.split, cache_dir=args.data_cache_path,
+            log=None if args.quiet else functools.partial(print, flush=True))
     return train, valid, tok.vocab_size, data.make_batch_iterator

@@ -162,7 +162,7 @@ def test_torchrun_two_processes(tmp_path):
 def test_virtual_pipeline_uses_unbatched_p2p(tmp_path):
     """Under VPP the trainer, as Megatron-LM, sends p2p unbatched: batched, interleaved PP2
     crosses an activation and a gradient on gloo (tests/parity/test_layouts.py shows the wrong
-    loss); PP2 x VPP2 then trains."""
+    loss); PP2 x VPP2 then trains, saves and resumes."""
     from megatron_scalevec.training.build import transformer_config
 
     pp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
@@ -174,3 +174,7 @@ def test_virtual_pipeline_uses_unbatched_p2p(tmp_path):
     losses = _run(2, *pp, "--virtual-pipeline-model-parallel-size", "2", "--train-iters", "8",
                   run_dir=tmp_path / "run")
     assert len(losses) == 8 and losses[-1] < losses[0], losses
+    # its checkpoint (the run dir's, by default) holds both chunks of each stage and resumes
+    more = _run(2, *pp, "--virtual-pipeline-model-parallel-size", "2", "--train-iters", "9",
+                OVR, "--load", str(tmp_path / "run"), run_dir=tmp_path / "run")
+    assert len(more) == 1 and (tmp_path / "run" / "latest").read_text().strip() == "9"
