@@ -65,9 +65,6 @@ logger = logging.getLogger(__name__)
 MEGATRON_LM_TAGS = {"0.16": "core_v0.16.1", "0.17": "core_v0.17.1", "0.18": "core_v0.18.2",
                     "0.19": "core_v0.19.0"}
 ENV_FORCE = "MEGATRON_SCALEVEC_FORCE_INSTALL"
-# The variables that choose the strategy inside Megatron-LM (which takes no new flags); our own
-# trainer has flags for them and refuses them when set (training/arguments.py).
-STRATEGY_ENV_VARS = (ENV_STRATEGY, ENV_VECTOR_WD)
 SPEC_ATTRS = ("scalevec_dense", "scalevec_moe")
 WRAPPED = ("get_megatron_optimizer_config", "get_megatron_optimizer", "training_log",
            "load_checkpoint")

@@ -371,7 +371,9 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
 
 # Megatron-LM's strategy variables (megatron_lm.py) -> the flag of ours that does the same.
 _ENV_FLAGS = {"MEGATRON_SCALEVEC": "--scalevec", "MEGATRON_SCALEVEC_VECTOR_WD":
-              "--scale-vector-weight-decay"}
+              "--scale-vector-weight-decay", "MEGATRON_SCALEVEC_EXPERT_VECTORS":
+              "--expert-vectors", "MEGATRON_SCALEVEC_DECAY_DIRECTION": "--decay-direction",
+              "MEGATRON_SCALEVEC_LAYERNORM_BIAS": "--layernorm-bias"}
 
 
 def _refuse_megatron_lm_env() -> None:
@@ -383,8 +385,14 @@ def _refuse_megatron_lm_env() -> None:
              if os.environ.get(n, "").strip()]
     if not found:
         return
-    use = ", ".join(f"{_ENV_FLAGS[n]} {v}" if n in _ENV_FLAGS else f"the flag for {n} "
-                    f"(--help)" for n, v in found)
+    def flag(name, value):
+        if name not in _ENV_FLAGS:
+            return f"ScaleVecConfig in Python for {name} (this trainer has no flag for it)"
+        if _ENV_FLAGS[name] == "--decay-direction":  # a switch: no value
+            return _ENV_FLAGS[name]
+        return f"{_ENV_FLAGS[name]} {value}"
+
+    use = ", ".join(flag(n, v) for n, v in found)
     names = " and ".join(f"{n}={v}" for n, v in found)
     raise ArgumentError(f"{names}: set for Megatron-LM's --spec megatron_scalevec.megatron_lm_spec"
                         f", not read by this trainer: pass {use} instead and unset "
