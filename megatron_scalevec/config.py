@@ -191,10 +191,12 @@ UNSUPPORTED = [
      f"context parallelism is {_UNTESTED}' gradient reductions"),
     ("--fp4-format", lambda a: bool(getattr(a, "fp4", None)),
      f"NVFP4 training is {_UNTESTED} folded into TE's weights"),
-    ("--fp8-recipe mxfp8", lambda a: getattr(a, "fp8", None) and
-     getattr(a, "fp8_recipe", None) == "mxfp8",
-     f"MXFP8 is {_UNTESTED} folded into TE's weights (delayed, tensorwise and blockwise "
-     f"recipes are not refused)"),
+    *((f"--fp8-recipe {recipe}", lambda a, recipe=recipe: bool(getattr(a, "fp8", None)) and
+       getattr(a, "fp8_recipe", None) == recipe,
+       f"{what} is {_UNTESTED} folded into TE's weights (the delayed and tensorwise recipes "
+       f"are tested and not refused)")
+      for recipe, what in (("mxfp8", "MXFP8"), ("blockwise", "FP8 block scaling"),
+                           ("custom", "a custom FP8 recipe"))),
 ]
 
 

@@ -325,6 +325,8 @@ UNSUPPORTED_FLAGS = [
     (dict(context_parallel_size=2), "--context-parallel-size > 1"),
     (dict(fp4="e2m1"), "--fp4-format"),
     (dict(fp8="hybrid", fp8_recipe="mxfp8"), "--fp8-recipe mxfp8"),
+    (dict(fp8="hybrid", fp8_recipe="blockwise"), "--fp8-recipe blockwise"),
+    (dict(fp8="e4m3", fp8_recipe="custom"), "--fp8-recipe custom"),
 ]
 
 
@@ -342,7 +344,10 @@ def test_untested_gpu_features_are_refused_before_the_model_is_built(monkeypatch
     package.get_args = lambda: args
     monkeypatch.setitem(sys.modules, "megatron.training", package)
     megatron_lm.refuse_unsupported_args()  # none set: nothing refused
-    args.fp8, args.fp8_recipe = "hybrid", "tensorwise"
+    for recipe in ("delayed", "tensorwise"):
+        args.fp8, args.fp8_recipe = "hybrid", recipe
+        megatron_lm.refuse_unsupported_args()
+    args.fp8, args.fp8_recipe = None, "blockwise"  # a recipe without FP8 on: nothing
     megatron_lm.refuse_unsupported_args()
     for k, v in flags.items():
         setattr(args, k, v)
