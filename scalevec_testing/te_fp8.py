@@ -124,6 +124,13 @@ def _new_output(quantizer, shape, fake_dtype, device):
     return _te("tensor.float8_tensor").Float8Tensor(shape=list(shape), dtype=fake_dtype, **kw)
 
 
+def create_empty_quantized_tensor(quantizer, shape, dtype, device, pin_memory=False):
+    """``tex.create_empty_quantized_tensor`` (TE >= 2.17): ``Quantizer.make_empty``'s tensor,
+    on the CPU (TE asks for its CUDA device)."""
+    _check(quantizer)
+    return _new_output(quantizer, list(shape), dtype, torch.device("cpu"))
+
+
 def _coerce(quantizer, out):
     """An existing output's buffers made to match the quantizer's usages (TE's
     ``convert_and_update_tensor``)."""
@@ -370,5 +377,6 @@ def fused_multi_row_unpadding(inp, out, padded_m_splits, m_splits):
 
 
 FUNCTIONS = (quantize, split_quantize, bgrad_quantize, dequantize, fp8_transpose,
+             create_empty_quantized_tensor,
              fused_amax_and_scale_update_after_reduction, fused_multi_row_padding,
              fused_multi_row_unpadding)
