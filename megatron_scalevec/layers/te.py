@@ -24,7 +24,11 @@ The fold is layers/fold.py's, the one the local path runs, evaluated in every fo
 the module's own call. TE keeps the weight it is given for its backward (and pins it on
 ``ctx``): the folded weight's storage is released after the module's forward and refolded in
 place right before its backward (``fold.FoldedWeights``), so nothing weight-sized is kept per
-micro-batch in flight, as on the local path.
+micro-batch in flight, as on the local path. Under TE's FP8 its GEMMs read only quantized
+copies: the fold runs only where TE quantizes the weight (:func:`te_reads_weight`, TE's own
+rule: the step's first micro-batch under megatron-core's schedule), TE gets an unread W_eff of
+the right shape and dtype elsewhere, and nothing is refolded for the FP8 backward (except under
+TE 2.17's ``backward_override='high_precision'``, whose backward reads the weight).
 Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
 megatron-core's real TE wrappers: tests/layers/test_te_spec.py, on CPU through the test-only
 stand-in for TE's compiled extension (scalevec_testing/te_stub.py, te_ops.py), TE's own fp32 and
