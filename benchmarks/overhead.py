@@ -82,14 +82,12 @@ def parse_variant(name: str):
 
 
 def storages(t: torch.Tensor) -> list:
-    """The storages holding ``t``: its own, or, for a wrapper subclass without one (TE's
-    ``Float8Tensor``: data, transpose, scale), those of the tensors it holds."""
+    """``t``'s storage, or a wrapper subclass's (TE's ``Float8Tensor``) inner tensors'."""
     try:
-        s = t.untyped_storage()
-        s.data_ptr()
-        return [s]
+        t.untyped_storage().data_ptr()  # raises for a wrapper subclass
     except RuntimeError:  # "invalid python storage": a wrapper subclass
         return [v.untyped_storage() for v in vars(t).values() if isinstance(v, torch.Tensor)]
+    return [t.untyped_storage()]
 
 
 def saved_activation_bytes(fn) -> int:

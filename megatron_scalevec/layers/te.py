@@ -177,7 +177,8 @@ def te_reads_weight(module, x, cache_names) -> tuple:
     ``layernorm_linear.py``, ``linear.py``, ``grouped_linear.py``): no step cache
     (``is_first_microbatch`` None), the step's first micro-batch, a CUDA-graph skip flag, a
     workspace not cached yet, or one cached without the transpose a Hopper GEMM now needs. The
-    backward reads them only under 2.17's ``backward_override='high_precision'``. Private TE
+    backward reads them only under 2.17's ``backward_override='high_precision'`` (then both
+    read them on every micro-batch, as without FP8). Private TE
     state read: ``FP8GlobalStateManager``, ``module._fp8_workspaces``, the recompute phase."""
     quant = sys.modules.get("transformer_engine.pytorch.quantization")
     state = getattr(quant, "FP8GlobalStateManager", None)
@@ -187,10 +188,11 @@ def te_reads_weight(module, x, cache_names) -> tuple:
     if not (recipe.delayed() or recipe.float8_current_scaling()):
         return True, True  # other recipes are refused (config.UNSUPPORTED): assume reads
     override = getattr(recipe, "backward_override", None)
-    backward = override == "high_precision"
+    if override == "high_precision":  # its backward multiplies the saved weight: folded
+        return True, True
     first = _first_microbatch(module)
     if first is None or first or state.fp8_graph_capturing() or getattr(module, "is_fsdp2", 0):
-        return True, backward
+        return True, False
     te = sys.modules["transformer_engine.pytorch"]
     if any(c.__name__ == "LayerNormLinear" for c in type(module).__mro__):
         transpose = torch.is_grad_enabled() and override is None
@@ -204,8 +206,8 @@ def te_reads_weight(module, x, cache_names) -> tuple:
         ws = module._fp8_workspaces.get(name)
         if ws is None or type(ws).__name__ not in ("Float8Tensor", "Float8TensorStorage") or (
                 transpose and ws._transpose is None):
-            return True, backward
-    return False, backward
+            return True, False
+    return False, False
 
 
 @contextlib.contextmanager

@@ -93,7 +93,7 @@ def _rule(rank, world):
     """te_reads_weight on a real folded TE linear, through TE's caching cases."""
     te_stub.activate()
     init_model_parallel()
-    from transformer_engine.common.recipe import DelayedScaling
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
     from transformer_engine.pytorch.quantization import autocast
 
     from megatron_scalevec.layers.te import te_reads_weight
@@ -117,6 +117,10 @@ def _rule(rank, world):
         out["no_transpose"] = te_reads_weight(lin, x, ("weight",))
         with torch.no_grad():
             out["no_transpose_no_grad"] = te_reads_weight(lin, x, ("weight",))
+        if hasattr(Float8CurrentScaling(), "backward_override"):  # TE >= 2.17
+            hp = Float8CurrentScaling(backward_override="high_precision")
+            with autocast(recipe=hp):  # (the rule reads the recipe before the workspace)
+                out["high_precision"] = te_reads_weight(lin, x, ("weight",))
         del lin._fp8_workspaces["weight"]
         out["not_cached"] = te_reads_weight(lin, x, ("weight",))
     return out
@@ -126,10 +130,12 @@ def test_te_reads_weight_follows_tes_caching():
     """Read (so folded) without FP8, on a step's first micro-batch, without megatron-core's
     transpose cache, with no workspace cached, and with one cached without the transpose a
     Hopper backward needs; not read from a valid cached workspace, nor from a transpose-less
-    one in a no-grad forward of a LayerNormLinear (TE only needs row-wise data there). The
-    backward never reads it under FP8 (TE 2.11 has no high-precision override)."""
+    one in a no-grad forward of a LayerNormLinear (TE only needs row-wise data there). The FP8
+    backward never reads it, except under TE 2.17's high-precision override (both read it)."""
     r = run_on_ranks(_rule, 1)[0]
     assert r.pop("no_fp8") == (True, True)
+    # TE 2.17's high-precision backward multiplies the saved weight: folded, kept for backward
+    assert r.pop("high_precision", (True, True)) == (True, True), r
     want = dict(first=True, cached=False, no_cache=True, no_transpose=True,
                 no_transpose_no_grad=False, not_cached=True)
     assert {k: v[0] for k, v in r.items()} == want, r
