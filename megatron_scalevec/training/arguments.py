@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+from types import SimpleNamespace
 
 from megatron_scalevec.cli_help import show_defaults
+from megatron_scalevec.config import unsupported_feature
 
 SPECS = ("scalevec_moe", "scalevec_dense", "baseline")
 # Architecture flags a warm start or resume takes from the checkpoint when not given.
@@ -115,9 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", default=None, choices=("local", "transformer_engine"),
                    help="linear/attention implementation (default: transformer_engine when "
                         "Transformer Engine is installed, else local); FP8 needs TE")
+    # FP8: Megatron-LM's flags, names, choices and defaults (core_v0.16.1 to 0.19.x)
     g.add_argument("--fp8-format", default=None, choices=("e4m3", "hybrid"),
                    help="FP8 GEMMs through Transformer Engine (needs --transformer-impl "
                         "transformer_engine and a Hopper-or-newer GPU)")
+    g.add_argument("--fp8-recipe", default="delayed",
+                   choices=("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+                   help="FP8 scaling recipe; delayed and tensorwise run with the scale vectors, "
+                        "the others are refused (untested)")
+    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling's margin")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="delayed scaling: steps of amax history per tensor")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=("most_recent", "max"),
+                   help="delayed scaling: the amax from the history")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon"))
@@ -350,6 +362,9 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
           "'megatron_scalevec[tensorboard]' (or drop it: metrics.jsonl has the same scalars)")
     _need(not a.moe_grouped_gemm or bool(a.num_experts),
           "--moe-grouped-gemm applies to MoE experts; this model is dense (no --num-experts)")
+    _need(a.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be at least 1")
+    why = unsupported_feature(SimpleNamespace(fp8=a.fp8_format, fp8_recipe=a.fp8_recipe))
+    _need(why is None, why or "")
     have_te = importlib.util.find_spec("transformer_engine") is not None
     if a.transformer_impl is None:
         a.transformer_impl = "transformer_engine" if have_te else "local"

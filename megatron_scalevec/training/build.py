@@ -60,7 +60,16 @@ def transformer_config(args, vocab_size):
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, calculate_per_token_loss=False,
-        transformer_impl=args.transformer_impl, fp8=args.fp8_format, **moe)
+        transformer_impl=args.transformer_impl, fp8=args.fp8_format, **_fp8(args), **moe)
+
+
+def _fp8(args) -> dict:
+    """Megatron-LM's FP8 flags as TransformerConfig fields (as Megatron-LM passes them)."""
+    if not args.fp8_format:
+        return {}
+    return dict(fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
+                fp8_amax_history_len=args.fp8_amax_history_len,
+                fp8_amax_compute_algo=args.fp8_amax_compute_algo)
 
 
 def _layer_spec(args):
