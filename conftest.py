@@ -42,3 +42,23 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (f"{item.nodeid} took {report.duration:.0f} s, over the per-test "
                            f"budget of {TEST_BUDGET_S:.0f} s (MEGATRON_SCALEVEC_TEST_BUDGET_S)")
     return report
+
+
+# The slowest 30 tests (setup + call + teardown) written to a file when
+# MEGATRON_SCALEVEC_DURATIONS_FILE names one (.ci/run does, per leg), so growth stays visible.
+_durations: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("MEGATRON_SCALEVEC_DURATIONS_FILE")
+    if not path or not _durations:
+        return
+    slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:30]
+    with open(path, "w") as f:
+        f.write(f"# slowest 30 of {len(_durations)} tests; all together "
+                f"{sum(_durations.values()):.0f} s\n")
+        f.writelines(f"{t:8.1f} s  {nodeid}\n" for nodeid, t in slowest)

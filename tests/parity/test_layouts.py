@@ -75,8 +75,13 @@ def _check_gradients(references, tmp_path, strategy, layout, gated=False):
     return keys
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "dp2_distopt"])
+# every strategy on the layout that splits vectors (TP2 + SP); the layouts that only move whole
+# tensors (PP2, DP2 with the distributed optimizer) with two strategies that differ in kind
+CASES = [(s, "tp2_sp") for s in STRATEGIES] + [
+    (s, layout) for layout in ("pp2", "dp2_distopt") for s in ("shared", "unified")]
+
+
+@pytest.mark.parametrize("strategy,layout", CASES)
 def test_loss_and_gradients_match_single_process(references, tmp_path, strategy, layout):
     keys = _check_gradients(references, tmp_path, strategy, layout)
     if strategy in ("hg+dp+er", "hg+dp+or") and layout == "tp2_sp":
