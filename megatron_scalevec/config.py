@@ -278,6 +278,10 @@ def unsupported_with(options, scalevec: ScaleVecConfig) -> Optional[str]:
                 f"supported for {scalevec.to_string()}'s plain vectors in our norms and "
                 "linears: use an OR or ER parameterization, or shared on "
                 "--transformer-impl transformer_engine without --qk-layernorm (TE's norms)")
+    if zero_centered and scalevec.iwd:
+        return ("--apply-layernorm-1p (zero-centred gamma, stored as gamma - 1) is not "
+                "supported with IWD: its decay would pull gamma toward 1, not 0; drop iwd or "
+                "the flag")
     if getattr(options, "apply_wd_to_qk_layernorm", False) and (scalevec.dnp or scalevec.iwd):
         return (f"--apply-wd-to-qk-layernorm is not supported with {scalevec.to_string()}: "
                 f"{'DNP' if scalevec.dnp else 'IWD'} decides the QK-norm's decay (an "
