@@ -269,3 +269,22 @@ def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecCon
     set_initial_weight_decay(optimizer, config.weight_decay)
     return optimizer
 
+
+
+@dataclass(frozen=True)
+class BridgeOverrides:
+    """Megatron-Bridge's ``optimizer_config_override_provider`` (``ConfigContainer`` field,
+    ``setup_optimizer`` argument) for a strategy: IWD and the vectors' LR as in our trainer
+    (Bridge's default provider knows neither). Bridge calls ``build_config_overrides(context)``
+    with the optimizer config and the model; the one-screen summary is logged there."""
+
+    scalevec: ScaleVecConfig
+
+    def build_config_overrides(self, context) -> dict:
+        config = context.optimizer_config
+        chunks = context.model if isinstance(context.model, list) else [context.model]
+        rules = decay_rules(self.scalevec, config.weight_decay)
+        summary = decay_summary(rules, chunks, config.weight_decay, self.scalevec, config.lr)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info(summary)
+        return config_overrides(rules, config, self.scalevec)

@@ -47,9 +47,18 @@ def resolve_save_dir(path: str) -> str:
 
 
 def is_megatron_lm_checkpoint(path: str) -> bool:
-    """An iteration folder Megatron-LM wrote in ``torch_dist`` (its ``common.pt``)."""
-    return os.path.isfile(os.path.join(path, COMMON)) and \
-        os.path.isfile(os.path.join(path, "metadata.json"))
+    """An iteration folder Megatron-LM wrote in ``torch_dist``: its common state in
+    ``common.pt`` (megatron-core 0.16) or inside the ``.distcp`` files (0.19, with ``args``)."""
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        return False
+    if os.path.isfile(os.path.join(path, COMMON)):
+        return True
+    if not any(n.endswith(".distcp") for n in os.listdir(path)):
+        return False
+    try:
+        return "args" in _common_state(path)
+    except Exception:  # noqa: BLE001 -- unreadable: not one Megatron-LM can resume either
+        return False
 
 
 def is_legacy_checkpoint(path: str) -> bool:
@@ -65,17 +74,28 @@ def legacy_refusal(path: str) -> str:
             f"flags) and convert NEW_DIR")
 
 
-def read_args(path: str) -> dict:
-    """``vars(args)`` of the iteration folder ``path`` (weights-only: no code runs)."""
+def _common_state(path: str):
+    """The common state of ``path`` (weights-only: no code runs): ``common.pt``, or from 0.19
+    what megatron-core's ``load_common_state_dict`` reads out of the ``.distcp`` files."""
     import torch  # noqa: PLC0415
     from megatron.core.safe_globals import SAFE_GLOBALS  # noqa: PLC0415 (megatron-core's list)
 
     from megatron_scalevec.convert.safe_load import allowed_globals, no_code_on_load  # noqa: PLC0415
 
-    file = os.path.join(path, COMMON)
+    with no_code_on_load(), allowed_globals(list(SAFE_GLOBALS)):
+        if os.path.isfile(os.path.join(path, COMMON)):
+            return torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=True)
+        from megatron.core import dist_checkpointing  # noqa: PLC0415
+
+        return dist_checkpointing.load_common_state_dict(path)
+
+
+def read_args(path: str) -> dict:
+    """``vars(args)`` of the iteration folder ``path`` (weights-only: no code runs)."""
+    file = os.path.join(path, COMMON if os.path.isfile(os.path.join(path, COMMON)) else
+                        "*.distcp")
     try:
-        with no_code_on_load(), allowed_globals(list(SAFE_GLOBALS)):
-            common = torch.load(file, map_location="cpu", weights_only=True)
+        common = _common_state(path)
     except Exception as e:  # noqa: BLE001 -- a truncated file or a refused global: one line
         raise ValueError(f"{file}: not a readable Megatron-LM common state "
                          f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
