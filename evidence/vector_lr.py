@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--report-name", default="vector_lr",
+                   help="<out>/<name>.md, .json, .png (one per invocation's widths)")
+    p.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                   help="only draw one figure (--figure) from these sweeps' .json files")
+    p.add_argument("--figure", default="vector_lr.png", help="--combine's output")
     return p
 
 
@@ -206,5 +211,8 @@ def main(argv=None) -> None:
     from evidence import vector_lr_report  # noqa: PLC0415
 
     a = build_parser().parse_args(argv)
+    if a.combine:
+        print(vector_lr_report.combine(a.combine, a.figure))
+        return
     plan = Plan(a, a.out).settle() if a.report_only else execute(a, a.out)
     vector_lr_report.report(a, plan, a.out)

@@ -98,39 +98,48 @@ def comparison_markdown(table) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(a, plan, table, path: str) -> str:
+def plot(records: list, path: str) -> str:
     """Per width: tuning loss against the multiplier at each variant's tuned base LR (lines),
-    and the comparison seeds' mean with its 95% t-interval at x1 and at the best pair."""
+    and the comparison seeds' mean with its 95% t-interval at x1 and at the best pair
+    (markers). ``records``: the ``vector_lr*.json`` contents of one or more sweeps."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(1, len(a.widths), figsize=(5.5 * len(a.widths), 4.2),
-                             squeeze=False)
-    for ax, w in zip(axes[0], a.widths):
-        for k, v in enumerate(a.variants):
-            st = plan.state.get((w, v), {})
+    state = {k: v for r in records for k, v in r["state"].items()}
+    table = [row for r in records for row in r["comparison"]]
+    widths = sorted({int(k.split("/")[0][1:]) for k in state})
+    variants = list(dict.fromkeys(k.split("/", 1)[1] for k in state))
+    fig, axes = plt.subplots(1, len(widths), figsize=(5.5 * len(widths), 4.2), squeeze=False)
+    for ax, w in zip(axes[0], widths):
+        for k, v in enumerate(variants):
+            st = state.get(f"h{w}/{v}", {})
             if "m_losses" not in st:
                 continue
             c = plt.get_cmap("tab10")(k)
-            ms = sorted(st["m_losses"])
-            ax.plot(ms, [stats.mean(st["m_losses"][m]) for m in ms], "o-", color=c, alpha=0.6,
-                    label=f"{v} (LR {st['lr0']:g}, tuning seed)")
+            ms = sorted(st["m_losses"], key=float)
+            ax.plot([float(m) for m in ms], [stats.mean(st["m_losses"][m]) for m in ms], "o-",
+                    color=c, alpha=0.6, label=f"{v} (LR {st['lr0']:g}, tuning seed)")
             for r in table:
                 if (r["width"], r["variant"]) == (w, v) and r["label"] in (REF, BEST) \
                         and len(r["infos"]) > 1:
                     m, h = stats.t_interval(i["final"] for i in r["infos"])
-                    ax.errorbar([r["mult"] * (1.04 if r["label"] == BEST else 0.96)], [m],
+                    ax.errorbar([r["mult"] * (1.06 if r["label"] == BEST else 0.94)], [m],
                                 yerr=[h], fmt="s" if r["label"] == BEST else "D", color=c,
                                 capsize=3, ms=5)
         ax.set_xscale("log")
+        ticks = sorted({float(m) for k, st in state.items() if k.startswith(f"h{w}/")
+                        for m in st.get("m_losses", {})})
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("vector LR multiplier (--vector-lr-mult)")
         ax.set_ylabel("final validation loss")
-        ax.set_title(f"hidden {w}, {a.num_layers} layers, {a.tokens_per_param:g} tokens/param")
+        ax.set_title(f"hidden {w}")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, title="lines: tuning; markers: comparison seeds, 95% CI "
-                  "(◆ x1, ■ best pair)", title_fontsize=6)
+        ax.legend(fontsize=7, title="lines: tuning seed; markers: comparison seeds, mean and "
+                  "95% CI\n(diamond: tuned LR x1, square: best pair, at its LR)",
+                  title_fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -138,19 +147,31 @@ def plot(a, plan, table, path: str) -> str:
 
 
 def report(a, plan, root, log=print) -> list:
+    """``<name>.md`` (tables), ``<name>.json`` (everything) and ``<name>.png`` under ``root``."""
     table = rows(a, plan, root)
     md = ("# The scale vectors' learning rate\n\n## Tuning (tuning seeds)\n\n"
           + tuning_markdown(a, plan) + "\n## Comparison (paired seeds 1.."
           + f"{a.seeds}; Δ: paired mean [95% t-interval])\n\n" + comparison_markdown(table))
     os.makedirs(root, exist_ok=True)
-    with open(os.path.join(root, "vector_lr.md"), "w") as f:
+    base = os.path.join(root, a.report_name)
+    with open(base + ".md", "w") as f:
         f.write(md)
-    state = {f"h{w}/{v}": {k: (v_ if not isinstance(v_, dict) else
-                               {str(x): y for x, y in v_.items()})
-                           for k, v_ in st.items()} for (w, v), st in plan.state.items()}
-    with open(os.path.join(root, "vector_lr.json"), "w") as f:
-        json.dump(dict(state=state, comparison=table), f, indent=1, default=str)
+    state = {f"h{w}/{v}": {k: ({str(x): y for x, y in v_.items()} if isinstance(v_, dict)
+                               else v_) for k, v_ in st.items()}
+             for (w, v), st in plan.state.items()}
+    record = dict(state=state, comparison=table)
+    with open(base + ".json", "w") as f:
+        json.dump(record, f, indent=1, default=str)
     if any(r["infos"] for r in table):
-        plot(a, plan, table, os.path.join(root, "vector_lr.png"))
+        plot([json.loads(json.dumps(record, default=str))], base + ".png")
     log(md)
     return table
+
+
+def combine(paths: list, out: str) -> str:
+    """One figure from several sweeps' ``.json`` (e.g. one per width)."""
+    records = []
+    for p in paths:
+        with open(p) as f:
+            records.append(json.load(f))
+    return plot(records, out)
