@@ -15,9 +15,10 @@ For every width and variant, through the real trainer (one subprocess per run, `
    the strategy on at the LR their baseline was tuned at).
 
 Budget: ``--tokens-per-param`` tokens per (approximate) parameter at every width, so a wider
-model trains longer. Variants as ``evidence/tuned.py``: a strategy string or ``shared+qknorm``.
-Everything is derived from the run directories: re-running the command resumes; the report
-(``vector_lr.md``, ``vector_lr.json``, ``vector_lr.png``) is evidence/vector_lr_report.py.
+model trains longer; or ``--train-iters``, the same steps (tokens) at every width, as muP's
+transfer experiments compare widths. Variants as ``evidence/tuned.py``: a strategy string or
+``shared+qknorm``. Everything is derived from the run directories: re-running the command
+resumes; the report (``<name>.md``, ``.json``, ``.png``) is evidence/vector_lr_report.py.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-refine", dest="refine", action="store_false")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="LR floor / peak LR")
     p.add_argument("--tokens-per-param", type=float, default=1.0)
+    p.add_argument("--train-iters", type=int, default=None,
+                   help="the same steps (tokens) at every width instead of --tokens-per-param")
     p.add_argument("--vocab-size", type=int, default=4096, help="for the budget only")
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -68,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def iters(a, width: int) -> int:
+    if a.train_iters:
+        return a.train_iters
     n = approx_params(a.num_layers, width, a.vocab_size)
     return max(a.evals, math.ceil(a.tokens_per_param * n / (a.seq_length * a.micro_batch_size)))
 
