@@ -7,6 +7,7 @@ from setuptools import find_packages, setup
 # exact versions CI installs are in constraints/cpu.txt (pip install -c constraints/cpu.txt ...).
 MUON = "emerging-optimizers>=0.3.0,<0.4; python_version >= '3.12'"
 CONVERT = ["safetensors>=0.8.0,<0.9", "transformers>=5.24.0,<6"]
+TENSORBOARD = "tensorboard>=2.16,<3"  # --tensorboard-dir (metrics.jsonl needs nothing)
 BRIDGE_DEPS = ["omegaconf>=2.3,<3", "rich>=13", "einops>=0.8,<1", "pyyaml>=6", "regex", "tqdm"]
 # What Megatron-LM's megatron/training imports (tests/megatron_lm/ run its pretrain_gpt.py)
 MEGATRON_LM_DEPS = ["six", "regex", "pyyaml>=6", "pydantic>=2"]
@@ -37,10 +38,11 @@ setup(
         # Conversion to/from Hugging Face (safetensors for our own full format too).
         "convert": CONVERT,
         "plot": ["matplotlib>=3.8"],
+        "tensorboard": [TENSORBOARD],
         # --optimizer muon; the package exists for Python >= 3.12 only (3.11: a refusal).
         "muon": [MUON],
-        "test": ["pytest>=8", "ruff>=0.6", *CONVERT, "matplotlib>=3.8", MUON, *BRIDGE_DEPS,
-                 *MEGATRON_LM_DEPS],
+        "test": ["pytest>=8", "ruff>=0.6", *CONVERT, "matplotlib>=3.8", TENSORBOARD, MUON,
+                 *BRIDGE_DEPS, *MEGATRON_LM_DEPS],
         # Optional accelerators: Transformer Engine (FP8, fused kernels). NVIDIA apex is built
         # from source; the PyPI package named "apex" is unrelated, so it is never listed.
         "te": ["transformer-engine[pytorch]"],

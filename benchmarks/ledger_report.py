@@ -46,6 +46,8 @@ def _config(args, layout: str, moe: bool, stock: bool, sp: bool = False, ep: int
     cfg = overhead.model_config(a)
     kw = dict(transformer_impl="transformer_engine" if layout == "te" else "local",
               sequence_parallel=sp)
+    if layout == "te" and args.fp8:  # TE's FP8 GEMMs (the stand-in's casts and GEMMs)
+        kw.update(fp8="hybrid", fp8_recipe=args.fp8)
     if moe:
         kw.update(moe_grouped_gemm=not (stock and layout == "local"),
                   expert_model_parallel_size=ep)
@@ -297,7 +299,10 @@ def report(args, layout: str, moe: bool, res: dict) -> str:
     fused = {v: split(r["fused1"], r[f"fused{m}"], m) for v, r in rows.items()}
     s_step, s_mb = parts[base]
     kind = f"MoE, {args.num_experts} experts top-{args.topk}, grouped" if moe else "dense"
-    lines = [f"### {layout} layout, {kind}: {layers} layers, hidden {args.hidden_size}, seq "
+    precision = f", FP8 {args.fp8}" if layout == "te" and args.fp8 else \
+        (", bf16" if args.bf16 else ", fp32")
+    lines = [f"### {layout} layout{precision}, {kind}: {layers} layers, hidden "
+             f"{args.hidden_size}, seq "
              f"{args.seq_length}, micro-batch {args.micro_batch_size}; {folded:,} folded "
              f"parameters; stock traffic {s_mb / folded:.1f} B/folded param a micro-batch, "
              f"{s_step / folded:.1f} a step"]
@@ -389,6 +394,9 @@ def build_parser():
     p.add_argument("--kinds", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
     p.add_argument("--no-collectives", action="store_true",
                    help="skip the two-rank collective counts (TP2, TP2+SP, EP2)")
+    p.add_argument("--fp8", choices=["delayed", "tensorwise"], default=None,
+                   help="te layout: TE's FP8 recipe (the fold then runs where TE quantizes the "
+                        "weight, once a step; compare with the same run without it)")
     p.add_argument("--json", help="append each table's raw measurements to this file")
     p.add_argument("--timeout", type=float, default=900, help="seconds per forked run")
     return p

@@ -81,15 +81,25 @@ def parse_variant(name: str):
     return ScaleVecConfig.from_string(strategy, apply_mode=mode), compile_mode
 
 
+def storages(t: torch.Tensor) -> list:
+    """``t``'s storage, or a wrapper subclass's (TE's ``Float8Tensor``) inner tensors'."""
+    try:
+        t.untyped_storage().data_ptr()  # raises for a wrapper subclass
+    except RuntimeError:  # "invalid python storage": a wrapper subclass
+        return [v.untyped_storage() for v in vars(t).values() if isinstance(v, torch.Tensor)]
+    return [t.untyped_storage()]
+
+
 def saved_activation_bytes(fn) -> int:
     """Bytes of tensors autograd saves while running ``fn`` (counted once per storage)."""
     seen, total = set(), [0]
 
     def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total[0] += key[1]
+        for s in storages(t):
+            key = (s.data_ptr(), s.nbytes())
+            if key not in seen:
+                seen.add(key)
+                total[0] += key[1]
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -105,12 +115,13 @@ def kept_bytes(fn) -> int:
     saved = {}
 
     def pack(t):
-        saved.setdefault(t.untyped_storage().data_ptr(), t)
+        for s in storages(t):
+            saved.setdefault(s.data_ptr(), s)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    kept = sum(t.untyped_storage().nbytes() for t in saved.values())
+    kept = sum(s.nbytes() for s in saved.values())
     del out
     return kept
 

@@ -267,7 +267,7 @@ def train_run(trainer_args: list, run_dir: str, rec: Optional[fp8.Recipe],
         if rec is not None:
             stack.enter_context(_replaced(tr, "build_model", build_fp8))
         return tr.main([*trainer_args, "--run-dir", run_dir, "--log-interval", "1", "--no-plot",
-                        "--quiet"])
+                        "--quiet", "--no-save"])
 
 
 def loss_gap(fp8_losses: list, fp32_losses: list, window: int) -> tuple[float, float]:

@@ -151,7 +151,8 @@ def _worker(run_dir: str, argv: list) -> None:
 
     trainer.build_model = counting_build_model  # observe only; the trainer runs unchanged
     t0 = time.time()
-    trainer.main(list(argv) + ["--run-dir", run_dir, "--overwrite"])  # a retry reuses it
+    keep = [] if "--save" in argv else ["--no-save"]  # a measurement: no checkpoint to keep
+    trainer.main(list(argv) + ["--run-dir", run_dir, "--overwrite", *keep])  # a retry reuses it
     with open(os.path.join(run_dir, "wall.json"), "w") as f:
         json.dump({"wall_s": time.time() - t0, "argv": list(argv)}, f)
 

@@ -85,7 +85,9 @@ if [ "$FLAVOUR" = scalevec ]; then
   # our --load must name an existing checkpoint directory: resume only when there is one
   [ -d "$RUN_DIR/checkpoints" ] && TRAIN_ARGS+=(--load "$RUN_DIR/checkpoints")
   PRECISION_ARGS=()
-  [ "$FP8" = 1 ] && PRECISION_ARGS=(--transformer-impl transformer_engine --fp8-format hybrid)
+  # Megatron-LM's FP8 flags: the same delayed scaling as the megatron-lm flavour below
+  [ "$FP8" = 1 ] && PRECISION_ARGS=(--transformer-impl transformer_engine --fp8-format hybrid
+    --fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
 elif [ "$FLAVOUR" = megatron-lm ]; then
   # Megatron-LM core_v0.16.1 pretrain_gpt.py. --spec replaces its layer spec entirely, so the
   # Llama features are given as flags that our block spec reads from the config.

@@ -249,10 +249,12 @@ UNSUPPORTED = [
     ("--mtp-num-layers", lambda a: bool(getattr(a, "mtp_num_layers", None)),
      f"multi-token prediction is {_UNTESTED} (Megatron-LM builds its MTP layers from "
      f"megatron-core's own spec)"),
-    ("--fp8-recipe mxfp8", lambda a: getattr(a, "fp8", None) and
-     getattr(a, "fp8_recipe", None) == "mxfp8",
-     f"MXFP8 is {_UNTESTED} folded into TE's weights (delayed, tensorwise and blockwise "
-     f"recipes are not refused)"),
+    *((f"--fp8-recipe {recipe}", lambda a, recipe=recipe: bool(getattr(a, "fp8", None)) and
+       getattr(a, "fp8_recipe", None) == recipe,
+       f"{what} is {_UNTESTED} folded into TE's weights (the delayed and tensorwise recipes "
+       f"are tested and not refused)")
+      for recipe, what in (("mxfp8", "MXFP8"), ("blockwise", "FP8 block scaling"),
+                           ("custom", "a custom FP8 recipe"))),
 ]
 
 

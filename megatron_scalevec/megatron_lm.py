@@ -51,6 +51,7 @@ from megatron_scalevec.megatron_lm_strategy import (  # the strategy's variables
     ENV_VECTOR_WD,
     STRATEGY_ENV_VARS,
     adopt,
+    agree_once,
     check_resume,
     env_strategy,
     refuse,
@@ -285,13 +286,15 @@ def wrap_block_submodules(original):
     called by ``TransformerBlock.__init__``; the same signature in 0.16.1 and 0.19.2) that
     sizes our lazy block spec for the chunk being built: Megatron-LM passes ``vp_stage`` to
     the model provider and on to the block, never to parallel_state, and hands every chunk the
-    same spec object. Any other spec goes to the original."""
+    same spec object. Any other spec goes to the original. The first block built also checks
+    that every rank read the same strategy (megatron_lm_strategy.agree_once)."""
     from megatron_scalevec.specs import ScaleVecBlockSubmodules  # noqa: PLC0415
 
     @functools.wraps(original)
     def _get_block_submodules(config, spec, vp_stage=None, pp_rank=None):
         sub = getattr(spec, "submodules", None)
         if isinstance(sub, ScaleVecBlockSubmodules):
+            agree_once(sub.scalevec)  # every rank builds a block, torch.distributed is up
             return sub.resolve(config, vp_stage, pp_rank)
         return original(config, spec, vp_stage, pp_rank)
 

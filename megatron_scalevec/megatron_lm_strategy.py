@@ -15,11 +15,14 @@ variable                               ScaleVecConfig field (default)
 ``MEGATRON_SCALEVEC_VECTOR_LR_MULT``   ``vector_lr_mult`` (the strategy's; a number > 0)
 =====================================  ==============================================
 
-Then (:func:`adopt`, at that import): every rank must have read the same strategy (one
-``all_gather_object`` at start-up; a rank that read another one stops the run in one line),
-and the whole strategy is written into Megatron-LM's ``args`` as ``args.scalevec`` (its
-fields as plain data), which Megatron-LM pickles into every checkpoint it saves
-(``common.pt``). Before Megatron-LM loads a checkpoint, :func:`check_resume` reads that record
+Then (:func:`adopt`, at that import) the whole strategy is written into Megatron-LM's ``args``
+as ``args.scalevec`` (its fields as plain data), which Megatron-LM pickles into every checkpoint
+it saves, and every rank must have read the same strategy (:func:`agree_once`: one
+``all_gather_object`` once ``torch.distributed`` is up: at that import in Megatron-LM 0.16,
+whose ``gpt_builder`` imports the spec; at the first block built in 0.19, whose
+``pretrain_gpt.py`` imports it while building its config, before ``pretrain`` initializes
+``torch.distributed``; a rank that read another strategy stops the run in one line)
+(its common state). Before Megatron-LM loads a checkpoint, :func:`check_resume` reads that record
 (weights-only) and refuses a different strategy in one line naming both: a resume that changes
 only IWD's decay would otherwise continue silently, and most other changes fail with a raw
 load error.
@@ -130,13 +133,27 @@ def ranks_disagree(cfg: ScaleVecConfig) -> Optional[str]:
             f"{ENV_STRATEGY}* variables on every node")
 
 
-def adopt(args, cfg: ScaleVecConfig) -> None:
-    """At ``--spec`` import, inside Megatron-LM: the ranks agree, and ``args`` records
-    ``cfg`` (Megatron-LM saves ``args`` in every checkpoint)."""
+_agreed: dict = {"done": False}
+
+
+def agree_once(cfg: ScaleVecConfig) -> None:
+    """The ranks' strategies compared once, where ``torch.distributed`` is up (else a no-op:
+    the next caller checks; megatron_lm.py's block hook calls it for every chunk built)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if _agreed["done"] or not (dist.is_available() and dist.is_initialized()):
+        return
+    _agreed["done"] = True
     why = ranks_disagree(cfg)
     if why:
         refuse(why)
+
+
+def adopt(args, cfg: ScaleVecConfig) -> None:
+    """At ``--spec`` import, inside Megatron-LM: ``args`` records ``cfg`` (Megatron-LM saves
+    ``args`` in every checkpoint), and the ranks agree on it (now, or at the first block)."""
     args.scalevec = cfg.to_dict()
+    agree_once(cfg)
 
 
 # --------------------------------------------------------------------------- resume
@@ -148,7 +165,7 @@ def checkpoint_to_load(args) -> Optional[str]:
     for root in (getattr(args, "load", None), getattr(args, "pretrained_checkpoint", None)):
         if root and os.path.isdir(root):
             found = resolve_save_dir(root)
-            if found != root or os.path.isfile(os.path.join(root, "common.pt")):
+            if found != root or os.path.isfile(os.path.join(root, "metadata.json")):
                 return found
     return None
 

@@ -1,15 +1,27 @@
 """Test-only torch versions of the Transformer Engine extension functions of its per-tensor FP8
 path (delayed scaling, ``Float8Quantizer``; current scaling, ``Float8CurrentScalingQuantizer``),
 so that TE's own Python (quantizers, ``Float8Tensor``, weight workspaces, ``fp8_autocast``, the
-delayed-scaling amax history) runs with our layers on CPU. Read from TE 2.11 and 2.17.1
-(``pytorch/csrc/extensions/cast.cpp``, ``csrc/quantizer.cpp``, ``common/recipe``); written here,
-not copied. Installed on te_stub's stand-in extension beside te_ops.
+delayed-scaling amax history) runs with our layers on CPU. Each follows the CUDA kernel a Hopper
+user runs, not TE's Python fallback, read from TE's C++ at v2.11 and v2.17.1 (the rules quoted are
+the same in both; written here, not copied):
+
+* delayed scaling's bulk update: ``common/recipe/delayed_scaling.cu`` ``kernel_bulk``
+  (:func:`fused_amax_and_scale_update_after_reduction`);
+* current scaling's scale: ``common/recipe/recipe_common.cuh`` ``compute_scale_from_amax``,
+  its amax ``common/recipe/current_scaling.cu`` ``amax_kernel`` (:func:`current_scale`);
+* casts: ``pytorch/csrc/quantizer.cpp`` (``Float8Quantizer::quantize``,
+  ``Float8CurrentScalingQuantizer::quantize_impl``), the fused norms
+  ``pytorch/csrc/extensions/normalization.cpp`` (:func:`norm_output`);
+* GEMM operands: ``common/gemm/cublaslt_gemm.cu`` ``CanonicalizeGemmInput`` with
+  ``pytorch/csrc/type_converters.cpp`` (:func:`gemm_operand`): on Hopper FP8 GEMMs are TN only,
+  so a GEMM reads an operand's column-wise (transposed) copy where TE's backward asks for it.
 
 FP8 values are torch ``float8_e4m3fn`` / ``float8_e5m2`` stored as uint8, as TE stores them.
-Casts saturate at the format's largest finite value as TE's kernels do (torch's CPU cast
-overflows e5m2 to inf). An FP8 GEMM is the dequantized operands' fp32 matmul: the same products
-a GPU's FP8 tensor cores accumulate in fp32, without their split-accumulator order. Block
-scaling, MXFP8 and NVFP4 quantizers raise: their layouts are not implemented here.
+Casts round to nearest even and saturate at the format's largest finite value
+(``__NV_SATFINITE``; torch's CPU cast alone overflows e5m2 to inf). An FP8 GEMM is the selected
+operands' dequantized fp32 matmul: the products a Hopper tensor core forms exactly, summed in
+fp32 in another order than its (fast or split) accumulator; ``tools/gpu_check.sh`` measures the
+gap against ``torch._scaled_mm``. Block scaling, MXFP8 and NVFP4 quantizers raise.
 """
 
 from __future__ import annotations
@@ -73,7 +85,7 @@ def _decode(bits: torch.Tensor, te_dtype) -> torch.Tensor:
     return bits.view(_format(te_dtype)).float()
 
 
-def _non_tn() -> bool:
+def non_tn() -> bool:
     """Whether the claimed GPU takes FP8 GEMMs in any layout (then TE keeps no transpose)."""
     return _te("utils").is_non_tn_fp8_gemm_supported()
 
@@ -95,7 +107,7 @@ def _transpose_of(bits: torch.Tensor) -> torch.Tensor:
 def _usages(quantizer) -> tuple:
     """(row-wise data, transpose) a quantizer's output holds: the data unless only a transpose
     is used, a transpose where the GPU needs one for column-wise use."""
-    return (quantizer.rowwise_usage or _non_tn(), quantizer.columnwise_usage and not _non_tn())
+    return (quantizer.rowwise_usage or non_tn(), quantizer.columnwise_usage and not non_tn())
 
 
 def _new_output(quantizer, shape, fake_dtype, device):
@@ -110,6 +122,13 @@ def _new_output(quantizer, shape, fake_dtype, device):
     if quantizer.internal:
         return _storage_class()(**kw)
     return _te("tensor.float8_tensor").Float8Tensor(shape=list(shape), dtype=fake_dtype, **kw)
+
+
+def create_empty_quantized_tensor(quantizer, shape, dtype, device, pin_memory=False):
+    """``tex.create_empty_quantized_tensor`` (TE >= 2.17): ``Quantizer.make_empty``'s tensor,
+    on the CPU (TE asks for its CUDA device)."""
+    _check(quantizer)
+    return _new_output(quantizer, list(shape), dtype, torch.device("cpu"))
 
 
 def _coerce(quantizer, out):
@@ -135,27 +154,51 @@ def _coerce(quantizer, out):
     return out
 
 
-def _scale(top: float, amax: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """``top / amax``; ``fallback`` where amax is 0 or not finite, fp32's largest value where the
-    quotient overflows (both recipes' rule)."""
-    scale = torch.where((amax > 0) & torch.isfinite(amax), top / amax, fallback)
-    return torch.where(torch.isinf(scale), torch.full_like(scale, torch.finfo(torch.float32).max),
-                       scale)
+_FLT_MAX = torch.finfo(torch.float32).max
 
 
-def _current_scale(quantizer, amax: torch.Tensor) -> torch.Tensor:
-    """Current scaling's scale from this tensor's amax (all-reduced over the quantizer's group
-    first, where it asks): largest FP8 value / max(amax, epsilon), 1 where that is 0 or not
-    finite, optionally rounded down to a power of 2. TE 2.11's quantizer holds the amax and
-    scale buffers the kernel writes; from 2.15 the kernel keeps them to itself."""
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """[1] fp32: max |x| as TE's kernels reduce it (``fmaxf`` / ``__hmax`` from 0: NaN ignored,
+    0 for an empty or all-NaN tensor)."""
+    a = x.reshape(-1).abs().float()
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    return (a.amax() if a.numel() else a.new_zeros(())).clamp_min(0).reshape(1)
+
+
+def _fmax(into: torch.Tensor, amax: torch.Tensor) -> None:
+    """``atomicMaxFloat(into, amax)`` (a NaN on either side yields the other)."""
+    amax = amax.reshape(into.shape)
+    into.copy_(torch.where(torch.isnan(into), amax, torch.fmax(into, amax)))
+
+
+def compute_scale_from_amax(amax: torch.Tensor, fp8_top: float, force_pow_2: bool,
+                            epsilon: float) -> torch.Tensor:
+    """recipe_common.cuh ``compute_scale_from_amax`` (value_for_inf: FLT_MAX): amax floored at
+    epsilon (a NaN passes the floor), scale 1 where that is inf, 0 or NaN, else ``top / amax``
+    rounded to nearest, FLT_MAX where it overflows, then optionally its mantissa dropped (a
+    power of 2 not above it)."""
+    amax = amax.float()
+    amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
+    bad = torch.isinf(amax) | (amax == 0) | torch.isnan(amax)
+    scale = torch.where(bad, torch.ones_like(amax), torch.full_like(amax, fp8_top) / amax)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
+    if force_pow_2:  # scale_bits &= 0xFF800000 (sign and exponent kept)
+        scale = (scale.view(torch.int32) & -0x800000).view(torch.float32)
+    return scale
+
+
+def current_scale(quantizer, amax: torch.Tensor) -> torch.Tensor:
+    """Current scaling's scale (``quantize_impl``): this tensor's amax, all-reduced (MAX) over
+    the quantizer's group where it asks, then :func:`compute_scale_from_amax`. TE 2.11's
+    quantizer holds the amax and scale buffers the kernels write; from 2.15 they are the
+    kernel's own."""
     amax = amax.float().clone()
     if quantizer.with_amax_reduction:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX,
                                      group=quantizer.amax_reduction_group)
-    a = amax.clamp_min(quantizer.amax_epsilon)
-    scale = _scale(fp8_max(quantizer.dtype), a, torch.ones_like(a))
-    if quantizer.force_pow_2_scales:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scale = compute_scale_from_amax(amax, fp8_max(quantizer.dtype),
+                                    bool(quantizer.force_pow_2_scales),
+                                    float(quantizer.amax_epsilon))
     for name, value in (("amax", amax), ("scale", scale)):
         if isinstance(getattr(quantizer, name, None), torch.Tensor):
             getattr(quantizer, name).copy_(value.reshape(getattr(quantizer, name).shape))
@@ -164,18 +207,20 @@ def _current_scale(quantizer, amax: torch.Tensor) -> torch.Tensor:
 
 def cast(x: torch.Tensor, quantizer, output=None, noop_flag=None, fake_dtype=None):
     """The one FP8 cast behind ``quantize``, ``split_quantize``, ``bgrad_quantize`` and the norms'
-    output quantizer; ``fake_dtype``: the nominal dtype of a new ``Float8Tensor``."""
+    output quantizer; ``fake_dtype``: the nominal dtype of a new ``Float8Tensor``. An empty
+    input is left as it is (both quantizers return before any kernel)."""
     kind = _check(quantizer)
-    if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
-        return output  # TE's kernels skip their whole work on a set flag (CUDA graphs)
-    xf = x.contiguous().float()
+    if noop_flag is not None and float(noop_flag.reshape(-1)[0]) == 1.0:
+        return output  # TE's kernels skip their whole work when the flag is 1 (CUDA graphs)
     out = _coerce(quantizer, output) if output is not None else \
         _new_output(quantizer, list(x.shape), fake_dtype or x.dtype, x.device)
-    amax = xf.abs().amax().reshape(1) if xf.numel() else xf.new_zeros(1)
+    if x.numel() == 0:
+        return out
+    xf = x.contiguous().float()
     if kind == "Float8CurrentScalingQuantizer":
-        scale = _current_scale(quantizer, amax)
-    else:  # delayed: the cast records its amax into the history slot it was given
-        torch.maximum(quantizer.amax, amax.reshape(quantizer.amax.shape), out=quantizer.amax)
+        scale = current_scale(quantizer, _amax(xf))
+    else:  # delayed: the cast atomically maxes its amax into the history slot it was given
+        _fmax(quantizer.amax, _amax(xf))
         scale = quantizer.scale
     bits = _encode(xf * scale.float(), quantizer.dtype)
     if out._data is not None:
@@ -185,6 +230,15 @@ def cast(x: torch.Tensor, quantizer, output=None, noop_flag=None, fake_dtype=Non
         out._transpose_invalid = False
     out._scale_inv.copy_(1.0 / scale.float().reshape(out._scale_inv.shape))
     return out
+
+
+def norm_output(y: torch.Tensor, ln_out, quantizer, out_dtype: torch.dtype):
+    """A fused norm's FP8 output from its fp32 result ``y``: delayed scaling fully fused (``y``
+    scaled and cast, its amax taken before the scale); current scaling (FUSED_NORM_AMAX_FP8)
+    writes ``y`` in the output dtype first and quantizes that, amax included."""
+    if type(quantizer).__name__ == "Float8CurrentScalingQuantizer":
+        y = y.to(out_dtype)
+    return cast(y, quantizer, ln_out, fake_dtype=out_dtype)
 
 
 def quantize(tensor, quantizer, output=None, noop_flag=None):
@@ -206,6 +260,13 @@ def bgrad_quantize(grad, quantizer):
     return bias_grad, cast(grad, quantizer)
 
 
+def logical_shape(t) -> list:
+    """A quantized tensor's logical shape (its data's, else its transpose's turned back)."""
+    if t._data is not None:
+        return list(t._data.shape)
+    return [*t._transpose.shape[1:], t._transpose.shape[0]]
+
+
 def value(t) -> torch.Tensor:
     """A quantized tensor's logical values in fp32 (from its data, else its transpose)."""
     if t._data is not None:
@@ -213,6 +274,36 @@ def value(t) -> torch.Tensor:
     bits = t._transpose
     logical = bits.reshape(bits.shape[0], -1).t().reshape(*bits.shape[1:], bits.shape[0])
     return _decode(logical, t._fp8_dtype) * t._scale_inv.float()
+
+
+def gemm_operand(t, trans: bool, side: str, non_tn: bool) -> tuple:
+    """(values [rows, cols] in fp32, which copy: "rowwise" / "columnwise") that cuBLASLt reads
+    for a per-tensor FP8 GEMM operand ``t`` (``side``: "A" or "B", ``trans``: its transpose
+    flag), as ``CanonicalizeGemmInput`` selects it. A copy exists where its buffer is set and,
+    for the transpose, ``_transpose_invalid`` is False (``NVTETensorFromFloat8Tensor``). Hopper
+    (``non_tn`` False) multiplies TN only: A untransposed and B transposed are read from their
+    column-wise copy, which must exist; the other cases from the row-wise data. Non-TN GPUs read
+    the row-wise data, the column-wise copy only where no data exists. Raises as TE does
+    ("missing column-wise usage"; the row-wise case, a null pointer there, raises here too)."""
+    has_data = t._data is not None
+    has_t = t._transpose is not None and not t._transpose_invalid
+    if not (has_data or has_t):
+        raise RuntimeError("No data found for FP8 Tensor.")
+    if non_tn:
+        columnwise = not has_data
+    else:
+        columnwise = (not trans) if side == "A" else trans
+    if columnwise and not has_t:
+        raise RuntimeError(f"Input {side} is missing column-wise usage")
+    if not columnwise and not has_data:
+        raise RuntimeError(f"Input {side} is missing row-wise usage")
+    if columnwise:
+        bits = t._transpose
+        logical = bits.reshape(bits.shape[0], -1).t()
+    else:
+        logical = t._data.reshape(-1, t._data.shape[-1])
+    return _decode(logical, t._fp8_dtype) * t._scale_inv.float(), \
+        "columnwise" if columnwise else "rowwise"
 
 
 def dequantize(tensor, otype):
@@ -232,19 +323,35 @@ def fp8_transpose(data, fp8_dtype, out=None):
 
 def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer, amax_histories, scales,
                                                 amax_compute_algo, fp8_dtype, margin):
-    """Delayed scaling's update: each reduced amax into its history's newest slot, the scale
-    from the history's max (or newest), the history rolled by one and its newest slot zeroed."""
+    """Delayed scaling's update as ``kernel_bulk`` computes it, per amax slot (history column):
+    the amax is the reduced one if non-zero, else the history's newest; only a non-zero amax
+    rolls the history (the oldest dropped and slot 0 zeroed, the amax appended last); the amax
+    used is that one (``most_recent``) or the rolled entries' ``fmaxf`` from 0 (``max``: NaN
+    ignored, 0 when nothing rolled); the scale is ``fp8_max * 2^-margin / amax`` where that
+    amax is finite and > 0, else kept, FLT_MAX where it overflows. (TE's Python fallback,
+    ``NVTE_UNFUSED_FP8_UPDATE``, rolls always and takes the whole history's max.)"""
     if amax_compute_algo not in ("max", "most_recent"):
-        raise NotImplementedError(f"CPU stand-in FP8: amax_compute_algo={amax_compute_algo!r}")
-    top, start = fp8_max(fp8_dtype), 0
+        raise RuntimeError(f"Unsupported amax compute algorithm ({amax_compute_algo})")
+    scaled_max = torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32) * \
+        torch.tensor(2.0, dtype=torch.float32).pow(-float(margin))
+    start = 0
     for history, scale in zip(amax_histories, scales):
         n = history.shape[-1]
-        history[0].copy_(amax_reduction_buffer[start:start + n])
+        newest = history[0]
+        if amax_reduction_buffer is not None and amax_reduction_buffer.numel():
+            reduced = amax_reduction_buffer[start:start + n]
+            newest = torch.where(reduced != 0, reduced, newest)
         start += n
-        amax = history.amax(0) if amax_compute_algo == "max" else history[0].clone()
-        scale.copy_(_scale(top / 2.0 ** margin, amax, scale))
-        history.copy_(torch.roll(history, -1, 0))
-        history[0].zero_()
+        rolls = newest != 0  # NaN != 0: a NaN amax rolls
+        entries = torch.cat([history[1:], newest[None]])  # slot i <- i + 1, the amax last
+        peak = torch.where(torch.isnan(entries), torch.zeros_like(entries), entries)
+        peak = torch.where(rolls, peak.amax(0).clamp_min(0), torch.zeros_like(newest))
+        rolled = torch.cat([torch.zeros_like(newest)[None], entries[1:]])
+        history.copy_(torch.where(rolls, rolled, history))
+        amax = newest if amax_compute_algo == "most_recent" else peak
+        ok = torch.isfinite(amax) & (amax > 0)
+        new = torch.where(ok, scaled_max / torch.where(ok, amax, torch.ones_like(amax)), scale)
+        scale.copy_(torch.where(torch.isinf(new), torch.full_like(new, _FLT_MAX), new))
 
 
 def _row_blocks(src, dst, src_splits, dst_splits) -> None:
@@ -270,5 +377,6 @@ def fused_multi_row_unpadding(inp, out, padded_m_splits, m_splits):
 
 
 FUNCTIONS = (quantize, split_quantize, bgrad_quantize, dequantize, fp8_transpose,
+             create_empty_quantized_tensor,
              fused_amax_and_scale_update_after_reduction, fused_multi_row_padding,
              fused_multi_row_unpadding)

@@ -10,14 +10,17 @@ Installed on te_stub's stand-in extension, with te_fp8.py's FP8 kernels.
 GEMM convention (cuBLAS column-major, as TE calls it), in row-major torch terms:
 ``D = op(B) @ op(A)`` with ``op(X) = X.T`` when that operand's ``trans`` flag is set: TN is
 ``x @ W.T`` (forward), NN ``dy @ W`` (dgrad), NT ``dy.T @ x`` (wgrad). Per-tensor FP8 operands
-(both or neither) are multiplied dequantized, in fp32 (te_fp8.py); other quantized operands,
-output quantizers, GELU fusion and communication overlap raise.
+(both or neither) are multiplied dequantized, in fp32, from the copy cuBLASLt reads on the
+claimed GPU (Hopper: dgrad reads W's column-wise copy, wgrad those of x and dy;
+te_fp8.gemm_operand); other quantized operands, output quantizers, GELU fusion and
+communication overlap raise.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import math
 
 import torch
 
@@ -25,14 +28,34 @@ from scalevec_testing import te_fp8
 
 
 def _operand(t) -> torch.Tensor:
-    """A GEMM operand's values: plain tensors as they are, per-tensor FP8 ones dequantized to
-    fp32 (te_fp8.py); other quantized kinds raise."""
-    if te_fp8.is_fp8(t):
-        return te_fp8.value(t)
+    """A high-precision GEMM operand as it is; quantized kinds other than per-tensor FP8 raise."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise NotImplementedError(f"CPU stand-in GEMM: {type(t).__name__} operands (block / MX "
                                   "/ NVFP4 quantized tensors) are not implemented")
     return t
+
+
+def _flat(shape) -> tuple:
+    """(first, last): cuBLASLt's ``flat_first_dim`` / ``flat_last_dim`` of a logical shape."""
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def _fp8_operands(A, transa, B, transb) -> tuple:
+    """Both FP8 operands' values as cuBLASLt reads them on this GPU (te_fp8.gemm_operand), after
+    ``CanonicalizeGemmInput``'s leading-dimension rule: 16 FP8 elements (on Hopper, both
+    ``lda`` and ``ldb`` are the contraction length k)."""
+    non_tn = te_fp8.non_tn()
+    a, a_copy = te_fp8.gemm_operand(A, transa, "A", non_tn)
+    b, b_copy = te_fp8.gemm_operand(B, transb, "B", non_tn)
+    (a0, a1), (b0, b1) = _flat(te_fp8.logical_shape(A)), _flat(te_fp8.logical_shape(B))
+    m, n, k = (a0 if transa else a1), (b1 if transb else b0), (a1 if transa else a0)
+    lda = (k if transa else m) if a_copy == "rowwise" else (m if transa else k)
+    ldb = (n if transb else k) if b_copy == "rowwise" else (k if transb else n)
+    if lda % 16:
+        raise RuntimeError("Leading dimension requirement on A for FP8 GEMM. Caller must pad.")
+    if ldb % 16:
+        raise RuntimeError("Leading dimension requirement on B for FP8 GEMM. Caller must pad.")
+    return a, b
 
 
 def _no(**options) -> None:
@@ -45,11 +68,16 @@ def _matmul(A, transa, B, transb):
     """Returns (D, B's values): D in fp32."""
     if te_fp8.is_fp8(A) != te_fp8.is_fp8(B):  # TE's GEMM: both FP8 or neither
         raise TypeError("CPU stand-in GEMM: one FP8 and one high-precision operand")
-    A, B = _operand(A), _operand(B)
-    if A.dtype != B.dtype:  # TE's non-FP8 GEMM takes operands of one type
-        raise TypeError(f"CPU stand-in GEMM: operands of one dtype, got {A.dtype} and {B.dtype}")
-    a = A.reshape(-1, A.shape[-1])
-    b = B.reshape(-1, B.shape[-1])
+    if te_fp8.is_fp8(A):
+        b_shape = te_fp8.logical_shape(B)
+        a, b = _fp8_operands(A, transa, B, transb)
+        B = b.reshape(b_shape)
+    else:
+        A, B = _operand(A), _operand(B)
+        if A.dtype != B.dtype:  # TE's non-FP8 GEMM takes operands of one type
+            raise TypeError(f"CPU stand-in GEMM: operands of one dtype, got {A.dtype} and "
+                            f"{B.dtype}")
+        a, b = A.reshape(-1, A.shape[-1]), B.reshape(-1, B.shape[-1])
     d = (b.t() if transb else b).float() @ (a.t() if transa else a).float()
     if not transb and B.dim() > 2:
         d = d.reshape(*B.shape[:-1], d.shape[-1])
@@ -118,9 +146,11 @@ def te_general_grouped_gemm(A, transa, B, transb, out, out_dtype, m_splits, bias
 
 
 def _norm_out(y, ln_out, quantizer, otype, x):
-    if quantizer is not None:  # the norm kernel writes FP8 (te_fp8.py), from its fp32 result
-        return te_fp8.cast(y, quantizer, ln_out, fake_dtype=te_fp8.torch_dtype(otype, x.dtype))
-    y = y.to(te_fp8.torch_dtype(otype, x.dtype))
+    """The norm's output from its fp32 result: FP8 as te_fp8.norm_output, else in ``otype``."""
+    dtype = te_fp8.torch_dtype(otype, x.dtype)
+    if quantizer is not None:
+        return te_fp8.norm_output(y, ln_out, quantizer, dtype)
+    y = y.to(dtype)
     if ln_out is not None:
         ln_out.copy_(y.reshape(ln_out.shape))
         return ln_out

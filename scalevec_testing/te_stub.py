@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -284,6 +285,31 @@ def activate() -> types.ModuleType:
     grouped = importlib.import_module("transformer_engine.pytorch.module.grouped_linear")
     grouped._GroupedLinear.backward = staticmethod(
         in_device_mode(grouped._GroupedLinear.backward))
+    # ... and so do the dense modules' backward under sequence parallelism (the FP8 all-gather
+    # of the output gradient allocates its buffer there)
+    for mod, cls in (("linear", "_Linear"), ("layernorm_linear", "_LayerNormLinear")):
+        fn = getattr(importlib.import_module(f"transformer_engine.pytorch.module.{mod}"), cls)
+        fn.backward = staticmethod(in_device_mode(fn.backward))
+    # A recompute's re-forward (megatron-core's checkpoints, TE's) runs TE's forward on
+    # autograd's thread, where cuda_claimed()'s thread-local mode is not entered: there too
+    # (names checked on megatron-core 0.16.1 / 0.19.2, TE 2.11.0 / 2.17.1)
+    mrandom = importlib.import_module("megatron.core.tensor_parallel.random")
+    te_dist = importlib.import_module("transformer_engine.pytorch.distributed")
+    # (megatron-core's already run under compat/cpu.py's device mode there; TE's now too)
+    for holder, name, static in ((mrandom.CheckpointFunction, "backward", True),
+                                 (mrandom.CheckpointWithoutOutputFunction, "backward", True),
+                                 (mrandom.CheckpointWithoutOutput, "_recompute", False),
+                                 (te_dist._CheckpointFunction, "backward", True)):
+        fn = _claimed_on_any_thread(vars(holder)[name].__func__ if static else
+                                    vars(holder)[name])
+        if holder is te_dist._CheckpointFunction:
+            fn = in_device_mode(fn)
+        setattr(holder, name, staticmethod(fn) if static else fn)
+    # TE's checkpoint saves and restores the CUDA RNG state itself: the CPU generator's here,
+    # as compat/cpu.py does for megatron-core's (private names, TE 2.11.0 and 2.17.1)
+    te_dist._get_cuda_rng_state = lambda *args, **kwargs: torch.default_generator.get_state()
+    te_dist._set_cuda_rng_state = lambda state, *args, **kwargs: \
+        torch.default_generator.set_state(state)
     # megatron-core caches TE's version on first ask (0.0.0 while TE was hidden, e.g. after a
     # Megatron-Bridge import asked): forget it. Private ``megatron.core.utils._te_version``,
     # checked on megatron-core 0.16.1 and 0.19.2.
@@ -296,6 +322,13 @@ def activate() -> types.ModuleType:
             _rebind(old, importlib.import_module(name))
     # megatron-core's experts module took TE's FP8 padding modules (or not) when first imported
     # (private module-level names, megatron-core 0.16.1 and 0.19.2)
+    # megatron-core took TE's checkpoint (FP8 full recompute) the same way: 0.16.1's block,
+    # 0.19's recompute module
+    for name in ("megatron.core.transformer.transformer_block", "megatron.core.recompute"):
+        mod = sys.modules.get(name)
+        if mod is not None and getattr(mod, "te_checkpoint", 0) is None:
+            mod.te_checkpoint = sys.modules["megatron.core.extensions.transformer_engine"] \
+                .te_checkpoint
     experts = sys.modules.get("megatron.core.transformer.moe.experts")
     if experts is not None and not experts.HAVE_TE:
         ext = sys.modules["megatron.core.extensions.transformer_engine"]
@@ -328,6 +361,19 @@ class _CudaTensors(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _claimed_on_any_thread(fn):
+    """``fn`` under :class:`_CudaTensors` while :func:`cuda_claimed` is on, whichever thread
+    runs it."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not _state.get("claimed"):
+            return fn(*args, **kwargs)
+        with _CudaTensors():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 # what TE's constructors and forward ask of torch.cuda (a CPU build cannot answer otherwise)
 _DEVICE = types.SimpleNamespace(name="CPU stand-in", major=9, minor=0, multi_processor_count=1,
                                 total_memory=0)
@@ -346,10 +392,12 @@ def cuda_claimed():
     for name, value in _CLAIMED.items():
         setattr(torch.cuda, name, value)
     torch.version.cuda = "12.9"  # TE's FP8 support check reads it (None on a CPU build)
+    _state["claimed"] = _state.get("claimed", 0) + 1
     try:
         with _CudaTensors():
             yield
     finally:
+        _state["claimed"] -= 1
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
         torch.version.cuda = saved_version

@@ -3,18 +3,15 @@ marker comment just before its fence, ``<!-- recipe: cpu -->`` (run here, as wri
 order of the page) or ``<!-- recipe: skip KIND: reason -->`` (needs a GPU, Transformer Engine,
 Megatron-LM, Megatron-Bridge, or installs packages); an unmarked block fails.
 
-The blocks of one page run in order in one temporary directory (``pretrain_gpt.py`` and
-``tools/`` linked in, so ``runs/`` lands there), with ``MEGATRON_SCALEVEC_TINY=1`` (the
-documented smaller defaults). Inputs a reader brings are made here when a block names them and
-no earlier block made them: ``corpus.jsonl`` (text), ``spm.model`` (the default run's
-tokenizer), and for usage.md's Megatron-LM-style source ``ckpt/`` + ``arch.json`` (a
-checkpoint of an earlier block without its ``scalevec_arch.json``)."""
+As a reader follows them: the README's blocks and then usage.md's, in order, in one fresh
+directory (``pretrain_gpt.py`` and ``tools/`` linked in, so ``runs/`` lands there), with
+``MEGATRON_SCALEVEC_TINY=1`` (the documented smaller defaults). Nothing is prepared: every
+input a block reads (``corpus.jsonl``, ``spm.model``, ``arch.json``, checkpoints) is made by
+an earlier block, and the two pages' outputs must not collide (a second run into a run's
+directory, a second conversion into an output, is refused)."""
 
-import glob
-import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -61,54 +58,6 @@ def test_every_block_says_where_it_runs(doc):
                      + "; ".join(bad))
 
 
-def _corpus(path):
-    """A few hundred documents of English text (the standard library's docstrings)."""
-    import email
-    import json as json_mod
-    import textwrap as tw
-
-    texts = []
-    for mod in (json_mod, tw, email, re, shutil, subprocess, glob):
-        for name in dir(mod):
-            doc = getattr(getattr(mod, name), "__doc__", None)
-            if isinstance(doc, str) and len(doc) > 40:
-                texts.append(doc)
-    with open(path, "w") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t}) + "\n")
-
-
-def _tokenizer(path):
-    from megatron_scalevec.training.corpus import DEFAULT_CACHE_DIR
-
-    found = sorted(glob.glob(os.path.join(os.path.expanduser(DEFAULT_CACHE_DIR), "tokenizer",
-                                          "*.model")))
-    assert found, "no tokenizer of the default run in the cache: an earlier block runs it"
-    shutil.copy(found[0], path)
-
-
-def _megatron_lm_style(cwd):
-    """ckpt/ + arch.json: the latest checkpoint of usage.md's runs/b without our arch file
-    (and without the manifest that lists it), as Megatron-LM writes its checkpoints."""
-    src = os.path.join(cwd, "runs", "b")
-    with open(os.path.join(src, "latest")) as f:
-        src = os.path.join(src, f"iter_{int(f.read()):07d}")
-    shutil.copytree(src, os.path.join(cwd, "ckpt"))
-    os.replace(os.path.join(cwd, "ckpt", "scalevec_arch.json"), os.path.join(cwd, "arch.json"))
-    os.remove(os.path.join(cwd, "ckpt", "scalevec_manifest.json"))
-
-
-INPUTS = {"corpus.jsonl": _corpus, "spm.model": _tokenizer}
-
-
-def _inputs(body: str, cwd: str) -> None:
-    for name, make in INPUTS.items():
-        if name in body and not os.path.exists(os.path.join(cwd, name)):
-            make(os.path.join(cwd, name))
-    if "--load ckpt/" in body and not os.path.exists(os.path.join(cwd, "ckpt")):
-        _megatron_lm_style(cwd)
-
-
 def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT, MEGATRON_SCALEVEC_TINY="1", OMP_NUM_THREADS="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -123,20 +72,31 @@ def run_block(lang: str, body: str, cwd: str, timeout: float = 600):
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("doc", DOCS)
-def test_recipes_run_as_written(doc, tmp_path):
-    os.symlink(os.path.join(ROOT, "pretrain_gpt.py"), tmp_path / "pretrain_gpt.py")
-    os.symlink(os.path.join(ROOT, "tools"), tmp_path / "tools")
+@pytest.fixture(scope="module")
+def reader_dir(tmp_path_factory):
+    """The reader's one directory, and the pages whose blocks have run in it, in order."""
+    path = tmp_path_factory.mktemp("reader")
+    os.symlink(os.path.join(ROOT, "pretrain_gpt.py"), path / "pretrain_gpt.py")
+    os.symlink(os.path.join(ROOT, "tools"), path / "tools")
+    return path, []
+
+
+@pytest.mark.parametrize("doc", DOCS)  # in this order: README.md, then docs/usage.md
+def test_recipes_run_in_order_in_one_directory(doc, reader_dir):
+    """One test per page (each within the per-test time budget), the same directory."""
+    cwd, done = reader_dir
+    assert done == list(DOCS[:DOCS.index(doc)]), f"{doc} runs after {DOCS[:DOCS.index(doc)]}"
     ran = 0
     for line, lang, marker, body in blocks(doc):
         if marker != "cpu":
             continue
-        _inputs(body, str(tmp_path))
         started = time.time()
-        p = run_block(lang, body, str(tmp_path))
+        p = run_block(lang, body, str(cwd))
         print(f"{doc}:{line}: {time.time() - started:.1f} s")
         assert p.returncode == 0, (
-            f"{doc}:{line}: the block exits {p.returncode}:\n{textwrap.indent(body, '  ')}\n"
-            f"stdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}")
+            f"{doc}:{line}: the block exits {p.returncode}:\n"
+            f"{textwrap.indent(body, '  ')}\nstdout:\n{p.stdout[-3000:]}\n"
+            f"stderr:\n{p.stderr[-3000:]}")
         ran += 1
     assert ran >= 4, f"{doc}: only {ran} blocks marked 'recipe: cpu'"
+    done.append(doc)

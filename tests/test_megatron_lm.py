@@ -333,6 +333,8 @@ UNSUPPORTED_FLAGS = [
     (dict(fp4="e2m1"), "--fp4-format"),
     (dict(fp8="hybrid", fp8_recipe="mxfp8"), "--fp8-recipe mxfp8"),
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(fp8="hybrid", fp8_recipe="blockwise"), "--fp8-recipe blockwise"),
+    (dict(fp8="e4m3", fp8_recipe="custom"), "--fp8-recipe custom"),
 ]
 
 
@@ -352,7 +354,10 @@ def test_untested_gpu_features_are_refused_before_the_model_is_built(monkeypatch
     unified = ScaleVecConfig.from_string("unified")
     megatron_lm.start(unified)  # none set: nothing refused (and the strategy recorded)
     assert ScaleVecConfig.from_dict(args.scalevec) == unified
-    args.fp8, args.fp8_recipe = "hybrid", "tensorwise"
+    for recipe in ("delayed", "tensorwise"):
+        args.fp8, args.fp8_recipe = "hybrid", recipe
+        megatron_lm.start(unified)
+    args.fp8, args.fp8_recipe = None, "blockwise"  # a recipe without FP8 on: nothing
     megatron_lm.start(unified)
     for k, v in flags.items():
         setattr(args, k, v)

@@ -1,35 +1,38 @@
 #!/usr/bin/env python
-"""The Transformer Engine path on a CUDA machine with TE installed (tools/gpu_check.sh, part 4).
+"""The Transformer Engine path on a CUDA machine with TE installed (tools/gpu_check.sh, part 5).
 
 Each variant (``stock``: megatron-core's own TE spec; or a strategy through our TE spec) trains N
-optimizer steps on fixed random tokens, each step ``--micro-batches`` micro-batches with their
-gradients accumulated (loss averaged), as a training run does, in each precision: ``bf16``,
-``fp8-delayed`` (megatron-core's ``fp8_recipe='delayed'`` with amax history 1024 and ``max``, what
-examples/models.sh launches with FP8=1 through Megatron-LM), ``fp8-current`` (``'tensorwise'``, TE's
-current scaling) and ``fp8-block`` (``'blockwise'``, when TE reports block scaling available: Hopper
-with CUDA >= 12.9). Before each step's first micro-batch, ``model.set_is_first_microbatch()``
-re-arms TE's per-step FP8 weight cache, as megatron-core's schedule does; without it TE would reuse
-the first step's FP8 weights. Reported per row: median step time and total peak
-``torch.cuda.max_memory_allocated``, each also as a ratio to ``shared`` in the same precision, the
-mean micro-batch loss of the last step and its relative difference to the same variant's bf16 loss
-(an FP8 row that diverges shows there). One process, TP=PP=1.
+optimizer steps on fixed random tokens, built as users run it: megatron-core's DDP (fp32
+``main_grad``), TE's fused weight-gradient accumulation into it, megatron-core's optimizer (Adam,
+bf16 with fp32 master weights, gradient clipping) and its micro-batch calculator (so the fold maps
+its gradient once a step), ``--micro-batches`` micro-batches a step with the loss averaged and
+``set_is_first_microbatch()`` before each step's first (TE quantizes the FP8 weights once a step,
+as megatron-core's schedule has it). Precisions: ``bf16``, ``fp8-delayed`` (megatron-core's
+``fp8_recipe='delayed'`` with amax history 1024 and ``max``, what examples/models.sh launches with
+FP8=1) and ``fp8-current`` (``'tensorwise'``, current scaling); block scaling, MXFP8 and custom
+recipes are refused with the scale vectors (config.UNSUPPORTED). Every variant starts from a
+fresh TE FP8 state (``FP8GlobalStateManager.reset()``: no amax buffer of an earlier model is
+updated). Reported per row: median step time and total peak ``torch.cuda.max_memory_allocated``,
+each also as a ratio to ``shared`` in the same precision, the mean micro-batch loss of the last
+step and its relative difference to the same variant's bf16 loss (an FP8 row that diverges shows
+there). One process, TP=PP=1.
 
 Usage: python tools/te_check.py [--variants stock shared unified] [--steps 20] [--micro-batches 4]
-       [--precisions bf16 fp8-delayed fp8-current fp8-block] [--num-experts 0] [--grouped-gemm]
+       [--precisions bf16 fp8-delayed fp8-current] [--num-experts 0] [--grouped-gemm]
        [--expert-vectors per_expert|shared]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 
 # precision -> megatron-core's fp8_recipe (megatron.core.enums.Fp8Recipe)
-PRECISIONS = {"bf16": None, "fp8-delayed": "delayed", "fp8-current": "tensorwise",
-              "fp8-block": "blockwise"}
+PRECISIONS = {"bf16": None, "fp8-delayed": "delayed", "fp8-current": "tensorwise"}
 # delayed scaling as examples/models.sh launches it (--fp8-amax-history-len 1024
 # --fp8-amax-compute-algo max); megatron-core's defaults (1, most_recent) are not what users run
 DELAYED = dict(fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
@@ -84,17 +87,22 @@ def _model(config, variant, args):
             if variant == "stock" else get_scalevec_block_spec(
                 config, ScaleVecConfig.from_string(variant, expert_vectors=args.expert_vectors)))
     return GPTModel(config, spec, vocab_size=args.vocab, max_sequence_length=args.seq_length,
-                    position_embedding_type="rope").cuda()
+                    position_embedding_type="rope")
 
 
-def train(model, opt, micro_batches, steps, warmup=0, sync=None) -> tuple[list[float], float]:
+def train(model, opt, micro_batches, steps, warmup=0, sync=None, finalize=None,
+          forward_context=contextlib.nullcontext) -> tuple[list[float], float]:
     """``warmup + steps`` optimizer steps, each over every micro-batch in ``micro_batches``
     (``(inputs, positions, labels)``), gradients accumulated from the mean loss. Returns the
     step times after warmup and the last step's mean loss.
 
-    Device-agnostic so a CPU test can check the FP8-relevant order: ``set_is_first_microbatch()``
-    once per step, before its first forward. ``sync`` (``torch.cuda.synchronize`` on a GPU) runs
-    around each timed step so the time covers the kernels, not their launch.
+    Device-agnostic so a CPU test can check the FP8-relevant order: megatron-core DDP's
+    ``zero_grad_buffer()`` (where the model has it) and ``set_is_first_microbatch()`` once per
+    step, before its first forward; ``finalize(model)`` (megatron-core's
+    ``finalize_model_grads``) before the optimizer step. ``sync`` (``torch.cuda.synchronize``
+    on a GPU) runs around each timed step so the time covers the kernels, not their launch.
+    ``forward_context``: around each micro-batch's forward and backward (a CPU test's
+    ``te_stub.cuda_claimed``).
     """
     n = len(micro_batches)
     times, loss = [], None
@@ -102,13 +110,18 @@ def train(model, opt, micro_batches, steps, warmup=0, sync=None) -> tuple[list[f
         if sync is not None:
             sync()
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        if hasattr(model, "zero_grad_buffer"):
+            model.zero_grad_buffer()
+        opt.zero_grad()
         model.set_is_first_microbatch()  # TE re-quantizes its FP8 weights on the next forward
         loss = 0.0
         for inputs, positions, labels in micro_batches:
-            mb_loss = model(inputs, positions, None, labels=labels).float().mean() / n
-            mb_loss.backward()
+            with forward_context():
+                mb_loss = model(inputs, positions, None, labels=labels).float().mean() / n
+                mb_loss.backward()
             loss = loss + mb_loss.detach()
+        if finalize is not None:
+            finalize(model)
         opt.step()
         if sync is not None:
             sync()
@@ -117,14 +130,56 @@ def train(model, opt, micro_batches, steps, warmup=0, sync=None) -> tuple[list[f
     return times, float(loss)
 
 
-def run_one(args, variant, precision) -> dict:
-    import torch
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+def fuse_wgrad_accumulation(model) -> int:
+    """TE's linears (ours folded or megatron-core's) accumulate their weight gradient into
+    ``main_grad``, as ``gradient_accumulation_fusion`` configures them (set here on the modules:
+    the config flag would also ask APEX's kernel of megatron-core's own output layer); returns
+    how many."""
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "fuse_wgrad_accumulation") and type(m).__module__.startswith(
+                ("transformer_engine", "megatron.core.extensions", "megatron_scalevec.layers")):
+            m.fuse_wgrad_accumulation = True
+            if hasattr(m, "_fused_accumulation"):  # our folded TE linears (layers/te.py)
+                m._fused_accumulation = True
+            n += 1
+    return n
 
+
+def build(args, variant, precision, device="cuda") -> tuple:
+    """(DDP model, megatron-core optimizer, finalize) for one row, from a fresh TE FP8 state
+    and megatron-core's micro-batch calculator at ``--micro-batches``."""
+    import torch
+    from megatron.core import num_microbatches_calculator as calc
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()  # no amax buffer of an earlier row's model survives
+    calc.unset_num_microbatches_calculator()
+    calc.init_num_microbatches_calculator(0, None, args.micro_batches * args.micro_batch_size,
+                                          args.micro_batch_size, 1)
     torch.manual_seed(7)
     model_parallel_cuda_manual_seed(7)
-    model = _model(_config(args, PRECISIONS[precision]), variant, args)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    config = _config(args, PRECISIONS[precision])
+    model = _model(config, variant, args).to(device)
+    fuse_wgrad_accumulation(model)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=args.lr, weight_decay=0.1, bf16=True, clip_grad=1.0), [ddp])
+    return ddp, opt, lambda m: finalize_model_grads([m])
+
+
+def run_one(args, variant, precision) -> dict:
+    import torch
+
+    ddp, opt, finalize = build(args, variant, precision)
     g = torch.Generator(device="cuda").manual_seed(3)
     positions = torch.arange(args.seq_length, device="cuda").expand(args.micro_batch_size, -1)
     micro_batches = []
@@ -133,8 +188,8 @@ def run_one(args, variant, precision) -> dict:
                                device="cuda", generator=g)
         micro_batches.append((tokens[:, :-1].contiguous(), positions, tokens[:, 1:].contiguous()))
     torch.cuda.reset_peak_memory_stats()
-    times, loss = train(model, opt, micro_batches, args.steps, args.warmup,
-                        sync=torch.cuda.synchronize)
+    times, loss = train(ddp, opt, micro_batches, args.steps, args.warmup,
+                        sync=torch.cuda.synchronize, finalize=finalize)
     return dict(variant=variant, precision=precision, ms=1e3 * statistics.median(times),
                 peak=torch.cuda.max_memory_allocated() / 2**30, loss=loss)
 
@@ -200,8 +255,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    probes = {"fp8-delayed": "is_fp8_available", "fp8-current": "is_fp8_available",
-              "fp8-block": "is_fp8_block_scaling_available"}
+    probes = {"fp8-delayed": "is_fp8_available", "fp8-current": "is_fp8_available"}
     rows = []
     for precision in args.precisions:
         if precision in probes:

@@ -2,7 +2,7 @@
 
 Sources are detected by their files: our full format (``scalevec_arch.json`` +
 ``model.safetensors``), a dist checkpoint (``metadata.json``; saved at any TP/PP/EP, arch from
-its ``scalevec_arch.json``, from Megatron-LM's saved args in ``common.pt``, or ``arch=``), a
+its ``scalevec_arch.json``, from the args Megatron-LM saved in its common state, or ``arch=``), a
 save directory (our trainer's ``latest`` ``iter_N``, written with ``scalevec_arch.json`` and
 the tokenizer; Megatron-LM's ``latest_checkpointed_iteration.txt`` and ``iter_*``), or a
 Hugging Face directory (``config.json``). A ``tokenizer.model`` beside the source travels

@@ -3,9 +3,11 @@
 Megatron-LM (``pretrain_gpt.py --save DIR``) writes ``DIR/latest_checkpointed_iteration.txt``
 (an iteration number, or ``release``) and one folder per save, ``DIR/iter_0000100/`` (or
 ``DIR/release/``). In its default ``torch_dist`` format that folder is a dist checkpoint
-(``metadata.json``, ``*.distcp``) plus ``common.pt``, whose ``args`` are the run's parsed
-arguments (an ``argparse.Namespace`` of plain values, megatron-core enums and torch dtypes,
-which megatron-core allow-lists for ``weights_only`` loading). Those args say everything a
+(``metadata.json``, ``*.distcp``) whose common state (``common.pt`` up to megatron-core 0.18,
+a ``common_state`` object inside the ``.distcp`` files from 0.19; megatron-core's
+``load_common_state_dict`` reads either) holds ``args``, the run's parsed arguments (an
+``argparse.Namespace`` of plain values, megatron-core enums and torch dtypes, which
+megatron-core allow-lists for ``weights_only`` loading). Those args say everything a
 converter needs: :func:`arch_from_args` builds the :class:`ModelArch` (so ``--arch`` is not
 needed) and refuses, naming the flag, what the converter's models cannot express; the
 strategy our ``--spec`` records there (``args.scalevec``, megatron_lm_strategy.py) says which
@@ -21,7 +23,6 @@ from typing import Optional
 from megatron_scalevec.convert.arch import STOCK, ModelArch
 
 TRACKER = "latest_checkpointed_iteration.txt"
-COMMON = "common.pt"
 ARGS_KEY = "scalevec"  # the attribute our --spec module sets on Megatron-LM's args
 SPEC_MODULE = "megatron_scalevec.megatron_lm_spec"
 
@@ -47,18 +48,15 @@ def resolve_save_dir(path: str) -> str:
 
 
 def is_megatron_lm_checkpoint(path: str) -> bool:
-    """An iteration folder Megatron-LM wrote in ``torch_dist``: its common state in
-    ``common.pt`` (megatron-core 0.16) or inside the ``.distcp`` files (0.19, with ``args``)."""
+    """An iteration folder Megatron-LM wrote in ``torch_dist``: a dist checkpoint whose common
+    state holds its ``args``."""
     if not os.path.isfile(os.path.join(path, "metadata.json")):
         return False
-    if os.path.isfile(os.path.join(path, COMMON)):
-        return True
-    if not any(n.endswith(".distcp") for n in os.listdir(path)):
-        return False
     try:
-        return "args" in _common_state(path)
-    except Exception:  # noqa: BLE001 -- unreadable: not one Megatron-LM can resume either
+        read_args(path)
+    except ValueError:
         return False
+    return True
 
 
 def is_legacy_checkpoint(path: str) -> bool:
@@ -74,35 +72,24 @@ def legacy_refusal(path: str) -> str:
             f"flags) and convert NEW_DIR")
 
 
-def _common_state(path: str):
-    """The common state of ``path`` (weights-only: no code runs): ``common.pt``, or from 0.19
-    what megatron-core's ``load_common_state_dict`` reads out of the ``.distcp`` files."""
-    import torch  # noqa: PLC0415
+def read_args(path: str) -> dict:
+    """``vars(args)`` of the iteration folder ``path`` (weights-only: no code runs)."""
+    from megatron.core import dist_checkpointing  # noqa: PLC0415
     from megatron.core.safe_globals import SAFE_GLOBALS  # noqa: PLC0415 (megatron-core's list)
 
     from megatron_scalevec.convert.safe_load import allowed_globals, no_code_on_load  # noqa: PLC0415
 
-    with no_code_on_load(), allowed_globals(list(SAFE_GLOBALS)):
-        if os.path.isfile(os.path.join(path, COMMON)):
-            return torch.load(os.path.join(path, COMMON), map_location="cpu", weights_only=True)
-        from megatron.core import dist_checkpointing  # noqa: PLC0415
-
-        return dist_checkpointing.load_common_state_dict(path)
-
-
-def read_args(path: str) -> dict:
-    """``vars(args)`` of the iteration folder ``path`` (weights-only: no code runs)."""
-    file = os.path.join(path, COMMON if os.path.isfile(os.path.join(path, COMMON)) else
-                        "*.distcp")
     try:
-        common = _common_state(path)
-    except Exception as e:  # noqa: BLE001 -- a truncated file or a refused global: one line
-        raise ValueError(f"{file}: not a readable Megatron-LM common state "
+        with no_code_on_load(), allowed_globals(list(SAFE_GLOBALS)):
+            common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as e:  # noqa: BLE001 -- truncated, refused, or no common state: one line
+        raise ValueError(f"{path}: no readable Megatron-LM common state "
                          f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__})"
                          ) from None
     args = common.get("args") if isinstance(common, dict) else None
     if args is None:
-        raise ValueError(f"{file} holds no 'args' (not written by Megatron-LM's training loop)")
+        raise ValueError(f"{path}: its common state holds no 'args' (not written by "
+                         f"Megatron-LM's training loop)")
     return dict(vars(args))
 
 

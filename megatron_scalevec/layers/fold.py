@@ -15,6 +15,10 @@ one linear is ``E = 1``. Vectors: ``row`` ``[E, S, r]`` (DP's ``a``), ``col`` ``
   tensor per folded linear per micro-batch in flight. After that GEMM's forward the folded
   weight's storage is released, and it is refolded in place right before that GEMM's backward,
   as the local path rebuilds it there (same bytes, same values).
+* Under Transformer Engine's FP8 (layers/te.py ``te_reads_weight``) a GEMM reads only its
+  quantized copy: the fold runs only where TE quantizes the weight, and nothing is refolded
+  for a backward that reads only FP8 copies (:class:`FoldedWeights` ``plan``); elsewhere TE
+  gets an unread W_eff (:func:`unread`): its shape, dtype, device and autograd edge.
 """
 
 from __future__ import annotations
@@ -101,6 +105,17 @@ def _fold_grads(grad, weights, row, col, layout, needs) -> tuple:
     return dw, d_row, d_col
 
 
+def unread(weights: Sequence[torch.Tensor], stacked: bool = True):
+    """W_eff where its values are never read ([E, out, in], or one per weight): zero-stride
+    views of one uninitialized element, so no weight-sized memory or pass; shape, dtype and
+    device as the fold's (what Transformer Engine's FP8 forward and backward use of a weight
+    whose quantized copy they read, checked on TE 2.11 and 2.17.1)."""
+    one = weights[0].new_empty(())
+    if stacked:
+        return one.expand(len(weights), *weights[0].shape)
+    return tuple(one.expand(w.shape) for w in weights)
+
+
 class Fold(torch.autograd.Function):
     """:func:`fold` with autograd, keeping only the vectors and the weights (the parameters
     themselves) for backward, where :func:`fold_grads` maps the gradient back."""
@@ -119,6 +134,17 @@ class Fold(torch.autograd.Function):
         return (d_row, d_col, None, *(dw if dw is not None else [None] * len(weights)))
 
 
+class _FoldUnread(Fold):
+    """:class:`Fold`'s gradient map for a GEMM that reads only the weight's quantized copy: the
+    forward computes nothing (:func:`unread`)."""
+
+    @staticmethod
+    def forward(ctx, row, col, layout, *weights):
+        ctx.layout = layout
+        ctx.save_for_backward(row, col, *weights)
+        return unread(weights)
+
+
 class _FoldOncePerStep(torch.autograd.Function):
     """:func:`fold` of E weights [out, in] (one output each) for GEMMs whose ``G = dL/dW_eff``
     is summed in each W's ``main_grad`` over the step: by the GEMM itself (Transformer Engine's
@@ -128,9 +154,11 @@ class _FoldOncePerStep(torch.autograd.Function):
     [E, S, n]."""
 
     @staticmethod
-    def forward(ctx, row, col, layout, step, stacked, *weights):
+    def forward(ctx, row, col, layout, step, stacked, read, *weights):
         ctx.layout, ctx.step, ctx.stacked = layout, step, stacked
         ctx.save_for_backward(row, col, *weights)
+        if not read:  # the GEMM reads only its quantized copy (unread)
+            return unread(weights, stacked)
         out = fold(weights, row, col, layout)
         return out if stacked else tuple(out.unbind(0))
 
@@ -152,7 +180,7 @@ class _FoldOncePerStep(torch.autograd.Function):
             step_map.mapped = True
         # each W's gradient is in its main_grad (megatron-core's fused path: W keeps
         # grad_added_to_main_grad set, so DDP ignores this placeholder)
-        return (d_row, d_col, None, None, None, *(_placeholder(w) for w in weights))
+        return (d_row, d_col, None, None, None, None, *(_placeholder(w) for w in weights))
 
 
 def _step_vectors(mode: str, row, col) -> tuple:
@@ -216,6 +244,13 @@ class FoldedWeights:
 
     def __init__(self):
         self.held: Optional[list] = None
+        self.read = self.refold = True
+
+    def plan(self, read: bool, refold: bool) -> FoldedWeights:
+        """For the next forward: whether its GEMM reads the folded values (else :func:`unread`)
+        and whether its backward does (else released and never refolded)."""
+        self.read, self.refold = read, refold
+        return self
 
     def __enter__(self):
         self.held = [] if torch.is_grad_enabled() else None
@@ -223,9 +258,12 @@ class FoldedWeights:
 
     def __exit__(self, *exc):
         self.held = None
+        self.read = self.refold = True
 
     def __call__(self, weights, row, col, layout) -> torch.Tensor:
         """[E, out, in] folded weights with autograd (:class:`Fold`)."""
+        if not self.read:
+            return _FoldUnread.apply(row, col, layout, *weights)
         return self._held(Fold.apply(row, col, layout, *weights), weights, row, col, layout)
 
     def stack(self, weights) -> torch.Tensor:
@@ -237,7 +275,7 @@ class FoldedWeights:
         """[E, out, in]: :meth:`once_per_step` as one stacked tensor, for a grouped GEMM whose
         ``G`` the fold's backward adds to each W's ``main_grad``."""
         row, col = _step_vectors(step[0], row, col)
-        w_eff = _FoldOncePerStep.apply(row, col, layout, (*step, False), True, *weights)
+        w_eff = _FoldOncePerStep.apply(row, col, layout, (*step, False), True, True, *weights)
         return self._held(w_eff, weights, row, col, layout)
 
     def once_per_step(self, weights, row, col, layout, step) -> list:
@@ -246,8 +284,9 @@ class FoldedWeights:
         there (:class:`_FoldOncePerStep`); ``step``: (mode, StepMap, fused), vectors
         [E, S, n]."""
         row, col = _step_vectors(step[0], row, col)
-        w_effs = _FoldOncePerStep.apply(row, col, layout, step, False, *weights)
-        if self.held is not None and w_effs[0].requires_grad:  # their storage: one [E, out, in]
+        w_effs = _FoldOncePerStep.apply(row, col, layout, step, False, self.read, *weights)
+        if self.read and self.held is not None and w_effs[0].requires_grad:
+            # their storage: one [E, out, in]
             self.held.append(_Held(w_effs[0]._base, weights, row, col, layout))
         for w, w_eff in zip(weights, w_effs):
             w_eff.main_grad = w.main_grad
@@ -264,7 +303,8 @@ class FoldedWeights:
         held, self.held = self.held, [] if self.held is not None else None
         if not held or not out.requires_grad:
             return out
-        out = _RefoldBeforeBackward.apply(out, held)
+        if self.refold:
+            out = _RefoldBeforeBackward.apply(out, held)
         for h in held:
             h.release()
         return out

@@ -26,7 +26,11 @@ The fold is layers/fold.py's, the one the local path runs, evaluated in every fo
 the module's own call. TE keeps the weight it is given for its backward (and pins it on
 ``ctx``): the folded weight's storage is released after the module's forward and refolded in
 place right before its backward (``fold.FoldedWeights``), so nothing weight-sized is kept per
-micro-batch in flight, as on the local path.
+micro-batch in flight, as on the local path. Under TE's FP8 its GEMMs read only quantized
+copies: the fold runs only where TE quantizes the weight (:func:`te_reads_weight`, TE's own
+rule: the step's first micro-batch under megatron-core's schedule), TE gets an unread W_eff of
+the right shape and dtype elsewhere, and nothing is refolded for the FP8 backward (except under
+TE 2.17's ``backward_override='high_precision'``, whose backward reads the weight).
 Tested against TE's real Python (2.11.0 with megatron-core 0.16.1, 2.17.1 with 0.19.2) over
 megatron-core's real TE wrappers: tests/layers/test_te_spec.py, on CPU through the test-only
 stand-in for TE's compiled extension (scalevec_testing/te_stub.py, te_ops.py), TE's own fp32 and
@@ -37,7 +41,9 @@ tests/layers/test_te_fp8.py; on a CUDA machine with TE, tools/te_check.py.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
+import sys
 
 import torch
 
@@ -162,6 +168,70 @@ def local_output_size(output_size: int, is_expert: bool) -> int:
     return output_size // sharding.group_size(sharding.tp_group(is_expert))
 
 
+def _first_microbatch(module):
+    """The ``is_first_microbatch`` megatron-core's TE wrapper is about to pass TE (its
+    ``forward``, megatron-core 0.16.1 and 0.19.2): None where the transpose cache is off."""
+    if getattr(module, "disable_parameter_transpose_cache", False):
+        return None
+    return getattr(module, "is_first_microbatch", None)
+
+
+def te_reads_weight(module, x, cache_names) -> tuple:
+    """(forward, backward): whether the TE forward about to run reads the values of the weights
+    ``_get_weight_tensors()`` hands it, and whether its backward does. Without FP8 both do. Under
+    per-tensor FP8 TE's GEMMs read only the quantized copies, so the forward reads the weights
+    only where it quantizes them (TE's own rule, 2.11 ``get_weight_workspace``, 2.17.1
+    ``quantize_weight`` / ``_is_weight_workspace_valid``; the usage each module kind sets in
+    ``layernorm_linear.py``, ``linear.py``, ``grouped_linear.py``): no step cache
+    (``is_first_microbatch`` None), the step's first micro-batch, a CUDA-graph skip flag, a
+    workspace not cached yet, or one cached without the transpose a Hopper GEMM now needs. The
+    backward reads them only under 2.17's ``backward_override='high_precision'`` (then both
+    read them on every micro-batch, as without FP8). Private TE
+    state read: ``FP8GlobalStateManager``, ``module._fp8_workspaces``, the recompute phase."""
+    quant = sys.modules.get("transformer_engine.pytorch.quantization")
+    state = getattr(quant, "FP8GlobalStateManager", None)
+    if state is None or not state.is_fp8_enabled():
+        return True, True
+    recipe = state.get_fp8_recipe()
+    if not (recipe.delayed() or recipe.float8_current_scaling()):
+        return True, True  # other recipes are refused (config.UNSUPPORTED): assume reads
+    override = getattr(recipe, "backward_override", None)
+    if override == "high_precision":  # its backward multiplies the saved weight: folded
+        return True, True
+    first = _first_microbatch(module)
+    if first is None or first or state.fp8_graph_capturing() or getattr(module, "is_fsdp2", 0):
+        return True, False
+    te = sys.modules["transformer_engine.pytorch"]
+    if any(c.__name__ == "LayerNormLinear" for c in type(module).__mro__):
+        transpose = torch.is_grad_enabled() and override is None
+    else:
+        dist = importlib.import_module("transformer_engine.pytorch.distributed")
+        transpose = (torch.is_grad_enabled() and x.requires_grad and override is None) or (
+            dist.is_fp8_activation_recompute_enabled()
+            and not dist.in_fp8_activation_recompute_phase())
+    transpose = transpose and not te.utils.is_non_tn_fp8_gemm_supported()
+    for name in cache_names:
+        ws = module._fp8_workspaces.get(name)
+        if ws is None or type(ws).__name__ not in ("Float8Tensor", "Float8TensorStorage") or (
+                transpose and ws._transpose is None):
+            return True, False
+    return False, False
+
+
+@contextlib.contextmanager
+def unread_checked(module, read: bool, cache_names):
+    """Around a TE forward handed unread weights (:func:`te_reads_weight` said TE would not
+    quantize them): fails loudly if TE made a new FP8 workspace anyway (a TE whose rule
+    differs), instead of training on a copy quantized from unread values."""
+    before = None if read else [module._fp8_workspaces.get(n) for n in cache_names]
+    yield
+    if before is not None and any(module._fp8_workspaces.get(n) is not b
+                                  for n, b in zip(cache_names, before)):
+        raise RuntimeError(f"{type(module).__name__}: Transformer Engine re-quantized a weight "
+                           f"where this TE version's rule said it reuses its FP8 copy; the "
+                           f"folded weight was not computed (layers/te.py te_reads_weight)")
+
+
 def require_te() -> None:
     """One clear error where Transformer Engine is asked for and not usable."""
     if not HAVE_TE:
@@ -195,7 +265,11 @@ class FoldedTELinear(ScaleVecLinearMixin):
         # G through the fold. TE reads the flag in each forward (checked on 2.11.0, 2.17.1).
         self._step = self._step_map.mode(self.weight)
         self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
-        with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
+        # folded only where TE reads W_eff (under FP8: where it quantizes it)
+        read = te_reads_weight(self, x, ("weight",))
+        with self._folds.plan(*read), fold_checked(self), \
+                unread_checked(self, read[0], ("weight",)):
+            # TE keeps W_eff: released until backward
             return release_output(self._folds, super().forward(x, *args, **kwargs))
 
     def _get_weight_tensors(self):  # TE private, checked on 2.11.0 and 2.17.1 (above)

@@ -58,6 +58,8 @@ from megatron_scalevec.layers.te import (
     fold_checked,
     local_output_size,
     release_output,
+    te_reads_weight,
+    unread_checked,
 )
 from megatron_scalevec.norms import ScaleVecNorm
 
@@ -168,7 +170,10 @@ class FoldedGroupedLinear:
         self._step = self._step_map.mode(*(getattr(self, f"weight{e}")
                                            for e in range(self.num_gemms)))
         self.fuse_wgrad_accumulation = self._fused_accumulation and self._step is not None
-        with self._folds, fold_checked(self):  # TE keeps W_eff: released until backward
+        names = [f"weight{e}" for e in range(self.num_gemms)]
+        read = te_reads_weight(self, args[0] if args else kwargs["x"], names)
+        with self._folds.plan(*read), fold_checked(self), unread_checked(self, read[0], names):
+            # TE keeps W_eff: released until backward
             return release_output(self._folds, super().forward(*args, **kwargs))
 
     def _get_weight_tensors(self):  # TE private, checked on 2.11.0, 2.17.1 (layers/te.py)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+from types import SimpleNamespace
 
 from megatron_scalevec.cli_help import show_defaults
+from megatron_scalevec.config import unsupported_feature
 
 SPECS = ("scalevec_moe", "scalevec_dense", "baseline")
 # Architecture flags a warm start or resume takes from the checkpoint when not given.
@@ -118,9 +120,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--transformer-impl", default=None, choices=("local", "transformer_engine"),
                    help="linear/attention implementation (default: transformer_engine when "
                         "Transformer Engine is installed, else local); FP8 needs TE")
+    # FP8: Megatron-LM's flags, names, choices and defaults (core_v0.16.1 to 0.19.x)
     g.add_argument("--fp8-format", default=None, choices=("e4m3", "hybrid"),
                    help="FP8 GEMMs through Transformer Engine (needs --transformer-impl "
                         "transformer_engine and a Hopper-or-newer GPU)")
+    g.add_argument("--fp8-recipe", default="delayed",
+                   choices=("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+                   help="FP8 scaling recipe; delayed and tensorwise run with the scale vectors, "
+                        "the others are refused (untested)")
+    g.add_argument("--fp8-margin", type=int, default=0, help="delayed scaling's margin")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="delayed scaling: steps of amax history per tensor")
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=("most_recent", "max"),
+                   help="delayed scaling: the amax from the history")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon"))
@@ -143,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=150)
     g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (and save) after this iteration, as if killed")
+                   help="stop after this iteration, as if killed, and save a checkpoint (in "
+                        "--save, else the run dir; none with --no-save)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--check-for-nan-in-loss-and-grad", default=True,
                    action=argparse.BooleanOptionalAction,
@@ -167,15 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--eval-iters", type=int, default=4)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="also log the scalars to TensorBoard (pip install "
+                        "'megatron_scalevec[tensorboard]')")
     g.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl and the loss plot go (default: --save, else "
-                        "runs/<spec>-<strategy>-l<layers>-h<hidden>[-e<experts>][-tp<n>]"
-                        "[-pp<n>][-ep<n>][-dp<n>]-s<seed>, layout parts only when > 1)")
+                        "--load, else runs/<spec>-<strategy>-l<layers>-h<hidden>[-e<experts>]"
+                        "[-tp<n>][-pp<n>][-ep<n>][-dp<n>]-s<seed>, layout parts only when > 1)")
     g.add_argument("--no-plot", action="store_true", help="do not write loss.png at the end")
-    g.add_argument("--save", default=None)
+    g.add_argument("--save", default=None,
+                   help="checkpoint directory (default: the run dir; the last iteration is "
+                        "always saved)")
+    g.add_argument("--no-save", action="store_true",
+                   help="write no checkpoint (a throwaway run)")
     g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="also save every this many iterations")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="on resume, the LR/WD schedule of this run's flags replaces the "
@@ -207,6 +227,7 @@ def _need(cond: bool, msg: str) -> None:
 
 def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     """Parse and validate; fills derived sizes. Raises ArgumentError; writes nothing."""
+    _refuse_megatron_lm_env()
     a = build_parser().parse_args(argv)
     _need(a.spec in SPECS, f"--spec {a.spec!r} is unknown; choose one of {', '.join(SPECS)}")
     from megatron_scalevec.config import ScaleVecConfig  # noqa: PLC0415
@@ -333,16 +354,25 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
           "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude "
           "each other")
     _arch_from_checkpoint(a)
+    if a.no_save:
+        _need(a.save is None and a.save_interval is None,
+              "--no-save writes no checkpoint: drop --save / --save-interval, or --no-save")
     if a.save_interval is not None:
-        _need(a.save is not None, "--save-interval needs --save")
+        _need(a.save_interval > 0, "--save-interval must be > 0")
     if a.save is not None:
         _need(not os.path.exists(a.save) or os.path.isdir(a.save),
               f"--save {a.save!r} is an existing file, not a directory")
     if a.data_path and a.mock_data:
         raise ArgumentError("--data-path and --mock-data exclude each other")
 
+    _need(a.tensorboard_dir is None or importlib.util.find_spec("tensorboard") is not None,
+          "--tensorboard-dir needs the tensorboard package: pip install "
+          "'megatron_scalevec[tensorboard]' (or drop it: metrics.jsonl has the same scalars)")
     _need(not a.moe_grouped_gemm or bool(a.num_experts),
           "--moe-grouped-gemm applies to MoE experts; this model is dense (no --num-experts)")
+    _need(a.fp8_amax_history_len >= 1, "--fp8-amax-history-len must be at least 1")
+    why = unsupported_feature(SimpleNamespace(fp8=a.fp8_format, fp8_recipe=a.fp8_recipe))
+    _need(why is None, why or "")
     have_te = importlib.util.find_spec("transformer_engine") is not None
     if a.transformer_impl is None:
         a.transformer_impl = "transformer_engine" if have_te else "local"
@@ -354,9 +384,42 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
     _need(not (a.moe_grouped_gemm and a.spec == "baseline" and a.transformer_impl == "local"),
           "--moe-grouped-gemm with --spec baseline needs --transformer-impl transformer_engine "
           "(megatron-core's local spec has no grouped experts without the grouped_gemm package)")
-    a.run_dir = a.run_dir or a.save or os.path.join("runs", default_run_name(a))
+    resumed = a.load if a.load is not None and not a.finetune else None  # a run continued
+    a.run_dir = a.run_dir or a.save or resumed or os.path.join("runs", default_run_name(a))
+    if not a.no_save:  # a run keeps its model: by default in its run dir
+        a.save = a.save or a.run_dir
     _refuse_other_run(a)
     return a
+
+
+# Megatron-LM's strategy variables (megatron_lm.py) -> the flag of ours that does the same.
+_ENV_FLAGS = {"MEGATRON_SCALEVEC": "--scalevec", "MEGATRON_SCALEVEC_VECTOR_WD":
+              "--scale-vector-weight-decay", "MEGATRON_SCALEVEC_EXPERT_VECTORS":
+              "--expert-vectors", "MEGATRON_SCALEVEC_DECAY_DIRECTION": "--decay-direction",
+              "MEGATRON_SCALEVEC_LAYERNORM_BIAS": "--layernorm-bias"}
+
+
+def _refuse_megatron_lm_env() -> None:
+    """The variables that set the strategy inside Megatron-LM do nothing here: refuse them
+    rather than train another strategy than the one the user set."""
+    from megatron_scalevec.megatron_lm import STRATEGY_ENV_VARS  # noqa: PLC0415
+
+    found = [(n, os.environ[n].strip()) for n in STRATEGY_ENV_VARS
+             if os.environ.get(n, "").strip()]
+    if not found:
+        return
+    def flag(name, value):
+        if name not in _ENV_FLAGS:
+            return f"ScaleVecConfig in Python for {name} (this trainer has no flag for it)"
+        if _ENV_FLAGS[name] == "--decay-direction":  # a switch: no value
+            return _ENV_FLAGS[name]
+        return f"{_ENV_FLAGS[name]} {value}"
+
+    use = ", ".join(flag(n, v) for n, v in found)
+    names = " and ".join(f"{n}={v}" for n, v in found)
+    raise ArgumentError(f"{names}: set for Megatron-LM's --spec megatron_scalevec.megatron_lm_spec"
+                        f", not read by this trainer: pass {use} instead and unset "
+                        f"{' '.join(n for n, _ in found)}")
 
 
 def source_arch_file(a):
@@ -414,9 +477,10 @@ def _refuse_other_run(a) -> None:
     if a.overwrite or a.load is not None:
         return
     if os.path.exists(os.path.join(a.run_dir, "metrics.jsonl")):
+        resume = (f"--load {a.run_dir} to resume it (with the flags it was trained with), "
+                  if os.path.exists(os.path.join(a.run_dir, "latest")) else "")
         raise ArgumentError(f"run dir {a.run_dir!r} holds another run (metrics.jsonl): pass "
-                            f"--load to resume it, --overwrite to replace it, or another "
-                            f"--run-dir")
+                            f"{resume}--overwrite to replace it, or another --run-dir")
     if a.save is not None and os.path.exists(os.path.join(a.save, "latest")):
         raise ArgumentError(f"--save {a.save!r} holds another run's checkpoints: pass --load "
                             f"{a.save} to resume, --overwrite to replace them, or another "

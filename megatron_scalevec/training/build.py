@@ -3,6 +3,8 @@ the GPTModel chunks in megatron-core DDP, the LR scheduler and the datasets."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_scalevec.convert.arch import STOCK, ModelArch
@@ -58,7 +60,16 @@ def transformer_config(args, vocab_size):
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, calculate_per_token_loss=False,
-        transformer_impl=args.transformer_impl, fp8=args.fp8_format, **moe)
+        transformer_impl=args.transformer_impl, fp8=args.fp8_format, **_fp8(args), **moe)
+
+
+def _fp8(args) -> dict:
+    """Megatron-LM's FP8 flags as TransformerConfig fields (as Megatron-LM passes them)."""
+    if not args.fp8_format:
+        return {}
+    return dict(fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
+                fp8_amax_history_len=args.fp8_amax_history_len,
+                fp8_amax_compute_algo=args.fp8_amax_compute_algo)
 
 
 def _layer_spec(args):
@@ -163,5 +174,6 @@ def datasets(args):
     else:
         train, valid, tok = data.build_datasets(
             args.data_path, args.tokenizer_model, args.seq_length, args.seed, n_train, n_valid,
-            split=args.split, cache_dir=args.data_cache_path)
+            split=args.split, cache_dir=args.data_cache_path,
+            log=None if args.quiet else functools.partial(print, flush=True))
     return train, valid, tok.vocab_size, data.make_batch_iterator

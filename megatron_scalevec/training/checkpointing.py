@@ -111,19 +111,19 @@ def _model_sd(model) -> dict:
     return {f"model{i}": _gpt(m).sharded_state_dict() for i, m in enumerate(model)}
 
 
-def _merged_model_sd(sd: dict) -> dict:
-    out = {}
-    for k, v in sd.items():
-        if k.startswith("model"):
-            out.update(v)
-    return out
+def _models_sd(sd: dict) -> dict:
+    """The model part the optimizer maps its parameters through: the chunks' state dicts side
+    by side (``model0``, ``model1``, ...), as Megatron-LM passes them. Merged into one dict,
+    virtual-pipeline chunks collide: each names its layers from 0."""
+    return sd["model"] if "model" in sd else {k: v for k, v in sd.items()
+                                               if k.startswith("model")}
 
 
 def _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, is_loading,
                 with_rng=True, with_optim=True, optim_meta=None):
     sd = _model_sd(model)
     if with_optim and optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(_merged_model_sd(sd), is_loading=is_loading,
+        sd["optimizer"] = optimizer.sharded_state_dict(_models_sd(sd), is_loading=is_loading,
                                                        metadata=OPTIM_METADATA)
         sd["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
@@ -182,6 +182,43 @@ def strategy_difference(saved: str, wanted: str) -> str:
     return f"the parameters differ ({only_a} only in the checkpoint, {only_b} only in this run)"
 
 
+def conversion_advice(src: str, saved: str, wanted: str) -> str:
+    """How to start ``wanted`` from the weights of a ``saved`` checkpoint: the converter, which
+    reaches every strategy through the exact fold to stock, except from DNP (its V / gate / up
+    norms fold into nothing: it refuses)."""
+    from megatron_scalevec.config import ScaleVecConfig  # noqa: PLC0415
+
+    if saved != "stock" and ScaleVecConfig.from_string(saved).dnp:
+        return ("a checkpoint with DNP converts to no other strategy (its V / gate / up norms "
+                "do not fold)")
+    return (f"to train {wanted} from its weights: python tools/convert_checkpoint.py --load "
+            f"{src} --to {wanted} --save DIR, then --pretrained-checkpoint DIR")
+
+
+def _flag_text(key: str, value) -> str:
+    """The flag that gives a model field ``value`` (``drop --x`` for a switch that is off)."""
+    if key == "vocab_size":
+        return f"the tokenizer of {value} pieces (--vocab-size {value} with --mock-data)"
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool) or value is None:
+        return flag if value else f"drop {flag}"
+    return f"{flag} {value}"
+
+
+def model_mismatch(path: str, saved_meta: dict, meta: dict):
+    """One line naming every model field in which this run differs from the checkpoint, and
+    the flags that give the checkpoint's; None when they agree."""
+    keys = [k for k, v in meta.items() if k in saved_meta and saved_meta[k] != v]
+    if not keys:
+        return None
+    fields = ", ".join(f"{k} {saved_meta[k]!r} (this run {meta[k]!r})" for k in keys)
+    texts = [_flag_text(k, saved_meta[k]) for k in keys]
+    give = " ".join(t for t in texts if t.startswith("--"))
+    other = [t for t in texts if not t.startswith("--")]
+    todo = " and ".join(([f"pass {give}"] if give else []) + other)
+    return f"{path} is another model than this run: in the checkpoint {fields}; to resume it {todo}"
+
+
 def inspect_checkpoint(root, strategy, meta, verify=True):
     """Everything about ``root``'s latest checkpoint that can be checked before the model is
     built: the pointer, the manifest (files, sizes, checksums), the writer's megatron-core,
@@ -210,13 +247,11 @@ def inspect_checkpoint(root, strategy, meta, verify=True):
         raise CheckpointError(
             f"{path} was trained with scale-vector strategy {common['scalevec']!r}, this run "
             f"asks for {strategy!r}: {strategy_difference(common['scalevec'], strategy)}; "
-            f"convert the checkpoint or pass --scalevec {common['scalevec']}")
-    saved_meta = common.get("model_meta", {})
-    for key, value in meta.items():
-        if key in saved_meta and saved_meta[key] != value:
-            flag = "--" + key.replace("_", "-")
-            raise CheckpointError(f"{path}: model {key}={saved_meta[key]!r} in the "
-                                  f"checkpoint, {value!r} in this run (check {flag})")
+            f"pass --scalevec {common['scalevec']} to resume it; "
+            f"{conversion_advice(root, common['scalevec'], strategy)}")
+    mismatch = model_mismatch(path, common.get("model_meta", {}), meta)
+    if mismatch:
+        raise CheckpointError(mismatch)
     return path, manifest, common
 
 

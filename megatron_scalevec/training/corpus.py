@@ -26,6 +26,7 @@ __all__ = [
     "DataPathError",
     "SentencePieceTokenizer",
     "atomic_path",
+    "corpus_file",
     "embedded_corpus",
     "sha256_file",
     "train_tokenizer",
@@ -172,6 +173,14 @@ def _chunks(text: str, chunk_bytes: int) -> Iterator[str]:
         yield "".join(piece)
 
 
+def corpus_file(cache_dir: str = DEFAULT_CACHE_DIR, max_bytes: int = DEFAULT_CORPUS_BYTES,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+    """Where :func:`embedded_corpus` caches the corpus of these sizes (built or not)."""
+    return str(Path(os.path.expanduser(cache_dir)) / "corpus" / (
+        f"python-{platform.python_version()}-stdlib-{max_bytes}-{chunk_bytes}-"
+        f"{_CORPUS_FORMAT}.jsonl"))
+
+
 def embedded_corpus(
     cache_dir: str = DEFAULT_CACHE_DIR,
     max_bytes: int = DEFAULT_CORPUS_BYTES,
@@ -183,10 +192,7 @@ def embedded_corpus(
     documents are added until the next one would pass ``max_bytes`` of UTF-8 text. Cached by
     Python version and sizes.
     """
-    out = Path(os.path.expanduser(cache_dir)) / "corpus" / (
-        f"python-{platform.python_version()}-stdlib-{max_bytes}-{chunk_bytes}-"
-        f"{_CORPUS_FORMAT}.jsonl"
-    )
+    out = Path(corpus_file(cache_dir, max_bytes, chunk_bytes))
     if out.is_file():
         return str(out)
     root = Path(sysconfig.get_paths()["stdlib"])

@@ -42,6 +42,7 @@ from megatron_scalevec.training.corpus import (
     DataPathError,
     SentencePieceTokenizer,
     atomic_path,
+    corpus_file,
     embedded_corpus,
     sha256_file,
     train_tokenizer,
@@ -216,8 +217,10 @@ def embedded_dataset(
     corpus_max_bytes: int = DEFAULT_CORPUS_BYTES,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int = 1,
+    log: Optional[Callable[[str], None]] = None,
 ) -> tuple[str, str]:
     """Build (once) the embedded default; return ``(indexed_dataset_prefix, tokenizer_model)``.
+    ``log`` gets one line before a build that takes a while (corpus and tokenizer missing).
 
     Not distributed-aware: ``build_datasets`` calls it on each node's builder first (which
     builds what is missing), then on every rank (which only reads).
@@ -227,11 +230,15 @@ def embedded_dataset(
     cache = Path(os.path.expanduser(cache_dir))
     if tokenizer_model is not None and not os.path.isfile(tokenizer_model):
         raise DataPathError(f"tokenizer model {tokenizer_model!r} does not exist")
+    tok_prefix = str(cache / "tokenizer" / f"stdlib-spm{vocab_size}")
+    if log is not None and not (
+            os.path.isfile(corpus_file(str(cache), corpus_max_bytes, chunk_bytes))
+            and (tokenizer_model is not None or os.path.isfile(tok_prefix + ".meta.json"))):
+        log(f"building the embedded corpus (this Python's standard library), its tokenizer and "
+            f"dataset in {cache} (once; later runs reuse them)")
     corpus = embedded_corpus(str(cache), corpus_max_bytes, chunk_bytes)
     if tokenizer_model is None:
-        tokenizer_model = train_tokenizer(
-            corpus, str(cache / "tokenizer" / f"stdlib-spm{vocab_size}"), vocab_size
-        )
+        tokenizer_model = train_tokenizer(corpus, tok_prefix, vocab_size)
     key = hashlib.sha256(
         (sha256_file(corpus) + sha256_file(tokenizer_model) + "eod").encode()
     ).hexdigest()[:16]
@@ -256,6 +263,7 @@ def build_datasets(
     corpus_max_bytes: int = DEFAULT_CORPUS_BYTES,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     is_built_on_rank: Optional[Callable[[], bool]] = None,
+    log: Optional[Callable[[str], None]] = None,
 ):
     """Return ``(train_ds, valid_ds, tokenizer)``: megatron-core ``GPTDataset``s (or a
     ``BlendedDataset`` for a weighted blend) whose items are ``tokens``, ``labels``, ``loss_mask``,
@@ -273,7 +281,7 @@ def build_datasets(
     cache = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR))
     if data_path is None or len(data_path) == 0:
         embedded = (cache, tokenizer_model, vocab_size, corpus_max_bytes, chunk_bytes)
-        _per_node(embedded_dataset, *embedded)  # one process: no fork inside a trainer rank
+        _per_node(embedded_dataset, *embedded, log=log)  # one process: no fork in a rank
         prefix, tokenizer_model = embedded_dataset(*embedded)  # built: only reads
         _same_on_every_rank(os.path.basename(prefix), "embedded data (corpus or tokenizer)")
         prefixes, weights = [prefix], None

@@ -109,7 +109,8 @@ class MetricsLog:
 
                 self.tb = SummaryWriter(log_dir=tensorboard_dir)
             except ImportError:
-                self.print("tensorboard is not installed: --tensorboard-dir ignored "
+                self.print("tensorboard is not installed (pip install "
+                           "'megatron_scalevec[tensorboard]'): --tensorboard-dir ignored "
                            "(metrics.jsonl has the same scalars)")
 
     def write_config(self, args) -> None:

@@ -2,8 +2,10 @@
 
 The loss plot is titled with each run's configuration (``config.json`` beside the metrics) and
 marks iterations whose loss or gradient norm was non-finite. The gamma plot shows, for every run
-given (ER, OR and plain alike), the conservation quantity, the vector norms and (OR) the
-magnitude beta; with many lines they are averaged by branch over the layers.
+given (ER, OR and plain alike), one row per kind of vector (attention / MLP input and output,
+router, Pre-Norm, final norm) with the vector norms, (OR) the magnitude beta and the
+conservation quantity, each branch averaged over layers and experts with their range shaded,
+legends outside the panels.
 """
 
 from __future__ import annotations
@@ -101,37 +103,86 @@ def gamma_series(recs: list, stat: str, grouped: bool) -> dict:
             for lab, pts in out.items()}
 
 
-_PANELS = (("conservation", "mean_j gamma_j^2 - ||w_j||^2"), ("norm", "||gamma||"),
-           ("beta", "OR magnitude beta"))
+# Vector kinds, one row of panels each: (kind, pattern on the vector's module path whose first
+# matching group names the branch); the first match wins.
+_KINDS = (
+    ("attention input (HG)", r"linear_qkv\.scale_in\.(\w+)$"),
+    ("attention output (DP / DNP)", r"linear_qkv\.scale_out\.(\w+)$|self_attention\.(\w+)_norm$"),
+    ("router input (HG)", r"router\.(scale_in)$"),
+    ("MLP / expert input (HG)", r"linear_fc1\.scale_in\.(\w+)$"),
+    ("MLP / expert output (DP / DNP)", r"linear_fc1\.scale_out\.(\w+)$|\.(\w+)_norm$"),
+    ("Pre-Norm (shared)", r"(input|pre_mlp)_layernorm$"),
+    ("final norm", r"(final)_layernorm$"),
+)
+_STATS = (("norm", "||gamma||"), ("beta", "OR magnitude beta"),
+          ("conservation", "mean_j gamma_j^2 - ||w_j||^2"))
+
+
+def vector_kind(path: str):
+    """(kind, branch) of a vector's module path, e.g. ('attention input (HG)', 'q')."""
+    for kind, pattern in _KINDS:
+        m = re.search(pattern, path)
+        if m:
+            return kind, next(g for g in m.groups() if g)
+    return "other", path.rsplit(".", 1)[-1]
+
+
+def gamma_panels(recs: list, stat: str) -> dict:
+    """{kind: {branch: [(iteration, mean, min, max)]}}: each branch's statistic over its layers
+    and experts (the mean, and the spread as a band)."""
+    out = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    for r in recs:
+        for k, v in r.items():
+            if k.startswith("sv/") and k.endswith("/" + stat) and v is not None:
+                kind, branch = vector_kind(k[3:].rsplit("/", 1)[0])
+                out[kind][branch][r["iteration"]].append(v)
+    return {kind: {b: [(it, sum(v) / len(v), min(v), max(v)) for it, v in sorted(pts.items())]
+                   for b, pts in branches.items()} for kind, branches in out.items()}
 
 
 def plot_gamma(run_dirs, out_png: str):
+    """One row of panels per vector kind, one column per statistic; a line per branch (mean
+    over layers and experts, their spread shaded), a line style per run; each row's legend
+    outside its panels."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    data = [(os.path.basename(os.path.normpath(r)), {s: gamma_panels(read_metrics(r), s)
+                                                     for s, _ in _STATS}) for r in run_dirs]
+    order = [k for k, _ in _KINDS] + ["other"]
+    kinds = [k for k in order if any(k in p[s] for _, p in data for s, _ in _STATS)]
+    stats = [(s, t) for s, t in _STATS if any(p[s] for _, p in data)]
+    if not kinds:
+        kinds, stats = ["no scale-vector statistics logged"], _STATS[:1]
+    fig, axes = plt.subplots(len(kinds), len(stats), squeeze=False, layout="constrained",
+                             figsize=(4.2 * len(stats) + 2.2, 2.3 * len(kinds) + 0.8))
     styles = ("-", "--", ":", "-.")
-    for ri, run in enumerate(run_dirs):
-        recs = read_metrics(run)
-        name = os.path.basename(os.path.normpath(run))
-        for ax, (stat, _) in zip(axes, _PANELS):
-            raw = gamma_series(recs, stat, grouped=False)
-            per_run_budget = max(1, MAX_LINES // len(run_dirs))
-            grouped = len(raw) > per_run_budget
-            series = gamma_series(recs, stat, grouped=True) if grouped else raw
-            for lab, pts in series.items():
-                ax.plot(*zip(*pts), ls=styles[ri % len(styles)], lw=0.9,
-                        label=f"{name}: {lab}" + (" (mean over layers)" if grouped else ""))
-    for ax, (stat, title) in zip(axes, _PANELS):
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("iteration")
-        ax.set_ylabel(stat)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=5, ncol=1 + len(ax.lines) // 16)
-        else:
-            ax.text(0.5, 0.5, f"no {stat} logged", ha="center", transform=ax.transAxes)
-    fig.suptitle("\n".join(describe(r) for r in run_dirs), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row, kind in zip(axes, kinds):
+        legend = {}
+        for ax, (stat, title) in zip(row, stats):
+            for ri, (name, panels) in enumerate(data):
+                for bi, (branch, pts) in enumerate(sorted(panels[stat].get(kind, {}).items())):
+                    it, mean, lo, hi = zip(*pts)
+                    color = colors[bi % len(colors)]
+                    (line,) = ax.plot(it, mean, ls=styles[ri % len(styles)], color=color,
+                                      lw=1.0)
+                    if lo != hi:
+                        ax.fill_between(it, lo, hi, color=color, alpha=0.15, lw=0)
+                    legend.setdefault(f"{name}: {branch}" if len(data) > 1 else branch, line)
+            ax.set_title(f"{kind}: {title}", fontsize=8)
+            ax.set_xlabel("iteration", fontsize=7)
+            ax.set_ylabel(stat, fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.grid(alpha=0.3)
+            if not ax.lines:
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, f"{kind}: no {stat} logged", ha="center", va="center",
+                        fontsize=7, transform=ax.transAxes)
+        if legend:
+            row[-1].legend(legend.values(), legend.keys(), fontsize=7, loc="upper left",
+                           bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    fig.suptitle("\n".join([*(describe(r) for r in run_dirs), "lines: mean over layers and "
+                            "experts; shading: their range; line style: run"]), fontsize=8)
+    fig.savefig(out_png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return fig
 

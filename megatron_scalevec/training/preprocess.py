@@ -178,11 +178,13 @@ def preprocess(
     text_split: str = "line",
     log_interval: int = 1000,
     progress: bool = True,
+    overwrite: bool = True,
 ) -> dict:
     """Tokenize ``inputs`` into ``<output_prefix>_<key>_document`` per key; return statistics.
 
     Documents that tokenize to nothing are skipped (counted in ``skipped``). With ``append_eod``
-    each document ends with the tokenizer's EOD id.
+    each document ends with the tokenizer's EOD id. ``overwrite=False``: an existing output is
+    refused before anything is read.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -190,9 +192,14 @@ def preprocess(
     for path in inputs:
         if not os.path.isfile(path):
             raise DataPathError(f"input {path!r} does not exist")
+    finals = {k: f"{output_prefix}_{k}_document" for k in json_keys}
+    existing = [p + ext for p in finals.values() for ext in (".bin", ".idx")
+                if os.path.exists(p + ext)]
+    if existing and not overwrite:
+        raise DataPathError(f"{existing[0]} exists: pass --overwrite to replace it, or another "
+                            f"--output-prefix")
     tokenizer = SentencePieceTokenizer(tokenizer_model)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    finals = {k: f"{output_prefix}_{k}_document" for k in json_keys}
     tag = f"tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temps = {k: f"{p}.{tag}" for k, p in finals.items()}
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -265,6 +272,8 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True,
                    help="writes <prefix>_<key>_document.bin/.idx")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace outputs that exist (refused otherwise)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1,
                    help="tokenizer processes (1: one process, SentencePiece threads on all cores)")
@@ -278,16 +287,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.workers < 1:
         _parser().error("--workers must be >= 1")
-    try:
-        from megatron_scalevec.compat.cpu import enable_cpu_compat
+    from megatron_scalevec.training.summary import backend_note, folded_backend_warnings
 
-        enable_cpu_compat()  # a no-op with CUDA; on CPU it makes the megatron import fast
+    folded: list = []
+    try:
+        with folded_backend_warnings(folded):  # megatron-core's "TE / Apex not installed"
+            from megatron_scalevec.compat.cpu import enable_cpu_compat
+
+            enable_cpu_compat()  # a no-op with CUDA; on CPU it makes the megatron import fast
+            from megatron.core.datasets import indexed_dataset  # noqa: F401
+        if folded:
+            print(backend_note(folded), file=sys.stderr, flush=True)
         t0 = time.monotonic()
         stats = preprocess(
             args.input, args.output_prefix, args.tokenizer_model, args.json_keys,
             append_eod=args.append_eod, workers=args.workers, input_format=args.input_format,
             text_split=args.text_split, log_interval=args.log_interval,
-            progress=not args.no_progress,
+            progress=not args.no_progress, overwrite=args.overwrite,
         )
     except DataPathError as err:
         print(f"error: {err}", file=sys.stderr)

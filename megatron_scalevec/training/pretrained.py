@@ -58,10 +58,14 @@ def check_arch(path: str, ours: ModelArch) -> ModelArch:
                               f"(convert it with tools/convert_checkpoint.py first)")
     theirs = ModelArch.load(arch_file)
     if _canonical(theirs.scalevec) != _canonical(ours.scalevec):
+        from megatron_scalevec.training.checkpointing import conversion_advice  # noqa: PLC0415
+
+        keep = ("--spec baseline" if theirs.scalevec == STOCK else
+                f"--scalevec {theirs.scalevec}")
         raise PretrainedError(
             f"{path} holds strategy {theirs.scalevec!r}, this run trains {ours.scalevec!r}: "
-            f"convert it first (tools/convert_checkpoint.py --load {path} --to "
-            f"{ours.scalevec} ...) or pass --scalevec {theirs.scalevec}")
+            f"pass {keep} to train its strategy; "
+            f"{conversion_advice(path, theirs.scalevec, ours.scalevec)}")
     diff = theirs.replace(scalevec=ours.scalevec).differences(ours)
     if diff:
         raise PretrainedError(f"{path} is another model than this run (checkpoint != run): "

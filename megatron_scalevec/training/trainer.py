@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import functools
 import os
+import signal
 import socket
 import sys
 import time
@@ -20,7 +21,7 @@ import time
 import torch
 
 from megatron_scalevec.compat.cpu import enable_cpu_compat
-from megatron_scalevec.training import faults, summary
+from megatron_scalevec.training import faults, report, summary
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
 from megatron_scalevec.training.build import (
     build_model,
@@ -161,10 +162,15 @@ class Trainer:
         iteration = found[2].get("iteration", 0)
         end = min(a.train_iters, a.exit_interval or a.train_iters)
         if iteration >= end:
+            if a.exit_interval and iteration < a.train_iters:
+                how = f"drop --exit-interval {a.exit_interval} to continue"
+            else:
+                how = ("pass a larger --train-iters with --override-opt_param-scheduler (an LR "
+                       "schedule over the new length) or --use-checkpoint-opt_param-scheduler "
+                       "(the checkpoint's) to continue")
             stop = f", --exit-interval {a.exit_interval}" if a.exit_interval else ""
             raise NothingToTrain(f"nothing to train: {found[0]} is at iteration {iteration}, "
-                                 f"--train-iters {a.train_iters}{stop} (pass a larger "
-                                 f"--train-iters to continue)")
+                                 f"--train-iters {a.train_iters}{stop} ({how})")
         if a.no_load_optim:
             return found, True, None
         checkpointing.check_vector_lr(found[0], found[2], a.scalevec_config.vector_lr_mult)
@@ -382,17 +388,6 @@ class Trainer:
         return losses
 
 
-def _plot(args, log):
-    try:
-        from megatron_scalevec.training.plotting import plot_runs  # noqa: PLC0415
-
-        out = os.path.join(args.run_dir, "loss.png")
-        plot_runs([args.run_dir], out)
-        log.print(f"wrote {out}")
-    except ImportError as e:
-        log.print(f"no loss plot ({e}); metrics are in {log.path}")
-
-
 def _parse_once(argv, world_size: int):
     """parse_args; on one node every rank reads the same flags and files and fails alike, so
     rank 0 alone prints the refusal (``collective``)."""
@@ -439,10 +434,16 @@ def _main(argv) -> list:
             return []
         trainer.print_summary(folded)
         losses = trainer.train()
-        if dist.get_rank() == 0 and not args.no_plot:
-            _plot(args, trainer.log)
-        trainer.log.print(f"done in {time.time() - started:.1f} s")
+        if dist.get_rank() == 0:
+            report.plot(args, trainer.log)
+        trainer.log.print(report.end_summary(
+            args, argv, trainer.log, trainer.iteration, losses[-1] if losses else None,
+            time.time() - started,
+            "stock" if args.spec == "baseline" else args.scalevec_config.to_string()))
         return losses
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback either
+        raise report.interrupted(args, argv, trainer, trainer and trainer.log) from None
     except (faults.DivergenceError, ArgumentError, CheckpointError, PretrainedError):
         raise
     except RuntimeError as e:
@@ -475,13 +476,18 @@ def cli() -> None:
         _fail(e, 2)
     except (faults.DivergenceError, faults.LostRankError) as e:
         _fail(e, 3)
+    except report.Interrupted as e:
+        _fail(e, 130, prefix="")
+    except KeyboardInterrupt:  # before the run started (imports, flags): nothing written
+        _fail(report.Interrupted("interrupted before the first iteration: nothing trained, "
+                                 "no checkpoint kept"), 130, prefix="")
 
 
-def _fail(e: BaseException, code: int) -> None:
+def _fail(e: BaseException, code: int, prefix: str = "error: ") -> None:
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or not getattr(e, "collective", False):
-        prefix = f"[rank {rank}] " if "RANK" in os.environ and rank != 0 else ""
-        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        who = f"[rank {rank}] " if "RANK" in os.environ and rank != 0 else ""
+        print(f"{who}{prefix}{e}", file=sys.stderr, flush=True)
     elif "RANK" in os.environ:
         time.sleep(10.0)  # rank 0 prints the same line and exits; torchrun then stops us
     sys.stdout.flush()

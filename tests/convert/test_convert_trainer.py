@@ -216,7 +216,8 @@ def test_pretrained_of_another_model_is_refused(tmp_path):
                              "--run-dir", str(tmp_path / "r"), "--overwrite"]
     strategy = run_on_ranks(_refused, 1, base + ["--scalevec", "hg+dp"])[0]
     assert "holds strategy 'unified', this run trains 'hg+dp'" in strategy
-    assert "--to hg+dp" in strategy
+    assert "--scalevec unified to train its strategy" in strategy  # DNP: no conversion offered
+    assert "converts to no other strategy" in strategy and "--to hg+dp" not in strategy
     width = run_on_ranks(_refused, 1, base + ["--moe-ffn-hidden-size", "32"])[0]
     assert "moe_ffn_hidden_size: 24 != 32" in width, width
 

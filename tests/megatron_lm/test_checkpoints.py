@@ -133,7 +133,9 @@ def test_converter_refusals_name_the_problem(root):
     M.run([*FLAGS, "--train-iters", "1", "--save", legacy, "--save-interval", "1",
            "--ckpt-format", "torch"],
           os.path.join(root, "legacy")).check()
-    for path, named in ((biased, "linear biases"), (legacy, "legacy 'torch' format")):
+    dnp = _saved(root, "unified")  # DNP's V / gate / up norms have no stock equivalent
+    for path, named in ((biased, "linear biases"), (legacy, "legacy 'torch' format"),
+                        (dnp, "DNP normalizations")):
         out = os.path.join(root, f"refused-{os.path.basename(path)}")
         code, stdout, stderr = _convert("--load", path, "--to", "stock", "--save", out)
         lines = stderr.strip().splitlines()

@@ -24,10 +24,10 @@ REL = 1e-5  # first iterations' losses, shared vs stock (our norms' backward is 
 
 
 @functools.cache
-def _run(case: str, strategy, root: str) -> M.Result:
+def _run(case: str, strategy, root: str, extra: tuple = ()) -> M.Result:
     """One run of a case (each is shared by the tests that read it)."""
     c = M.CASES[case]
-    return M.run(c.argv(strategy), f"{root}/{case}-{strategy or 'stock'}", c.nproc,
+    return M.run([*c.argv(strategy), *extra], f"{root}/{case}-{strategy or 'stock'}", c.nproc,
                  env=c.env(strategy)).check()
 
 
@@ -53,11 +53,13 @@ def test_shared_builds_and_trains_as_stock(case, root):
 
 @pytest.mark.parametrize("case", _cases())
 def test_unified_trains_with_its_layers_where_stock_has_them(case, root):
-    stock, ours = _run(case, None, root), _run(case, "unified", root)
+    """Eight iterations: on megatron-core 0.19's mock data DNP's loss can rise at the second
+    before it falls (``unified`` starts from another function than stock's)."""
+    stock, ours = _run(case, None, root), _run(case, "unified", root, ("--train-iters", "8"))
     for rank in range(M.CASES[case].nproc):
         assert M.layer_kinds(ours.ranks[rank]["params"]) == \
             M.layer_kinds(stock.ranks[rank]["params"]), f"rank {rank}"
         names = {n for n, _ in ours.params(rank)}
         assert any(".scale_in." in n for n in names)  # HG's vectors are there
-    loss = ours.losses()
-    assert loss[3]["lm loss"] < loss[1]["lm loss"], loss
+    loss = [ours.losses()[it]["lm loss"] for it in range(1, 9)]
+    assert sum(loss[-3:]) < sum(loss[:3]), loss

@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ from megatron_scalevec.training import data
 from megatron_scalevec.training.data import DataPathError
 from megatron_scalevec.training.preprocess import main as preprocess_main
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 TINY = dict(max_bytes=400_000, chunk_bytes=4096)
 VOCAB = 600
 
@@ -118,6 +120,56 @@ def test_preprocess_jsonl_and_text(tmp_path, tok_model, tok, capsys, monkeypatch
     assert all((a == b).all() for a, b in zip(one, two)) and len(one) == len(two)
 
 
+def test_build_line_before_the_corpus_and_tokenizer_build(tmp_path):
+    said = []
+    data.embedded_dataset(str(tmp_path), vocab_size=VOCAB, corpus_max_bytes=TINY["max_bytes"],
+                          chunk_bytes=TINY["chunk_bytes"], log=said.append)
+    assert len(said) == 1 and "building the embedded corpus" in said[0], said
+
+
+def test_preprocess_refuses_to_overwrite_unless_asked(tmp_path, tok_model, capsys):
+    """An existing .bin/.idx is kept (one line, exit 2) unless --overwrite; megatron-core's
+    "not installed" warnings are one line."""
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": "def f(x):\n    return x\n"}])
+    out = str(tmp_path / "out")
+    argv = ["--input", str(src), "--output-prefix", out, "--tokenizer-model", tok_model,
+            "--no-progress"]
+    assert preprocess_main(argv) == 0
+    capsys.readouterr()
+    before = {n: os.path.getmtime(tmp_path / n) for n in os.listdir(tmp_path)}
+    assert preprocess_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (f"error: {out}_text_document.bin exists: pass "
+                                             f"--overwrite to replace it, or another "
+                                             f"--output-prefix"), err
+    assert {n: os.path.getmtime(tmp_path / n) for n in os.listdir(tmp_path)} == before
+    assert preprocess_main(argv + ["--overwrite"]) == 0
+
+
+def test_preprocess_folds_the_backend_warnings(tmp_path, tok_model):
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"text": "x = 1\n"}])
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
+                        "--input", str(src), "--output-prefix", str(tmp_path / "o"),
+                        "--tokenizer-model", tok_model, "--no-progress"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "Warning" not in p.stderr and len(p.stderr.strip().splitlines()) <= 1, p.stderr
+
+
+def test_example_data_refuses_an_existing_output(tmp_path, capsys):
+    from megatron_scalevec.training.example_data import main
+
+    (tmp_path / "corpus.jsonl").write_text("mine\n")
+    assert main(["--corpus", str(tmp_path / "corpus.jsonl"), "--cache-dir",
+                 str(tmp_path / "cache")]) == 2
+    assert "corpus.jsonl exists: pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "corpus.jsonl").read_text() == "mine\n"
+    assert not (tmp_path / "cache").exists()
+
+
 def test_preprocess_failure_leaves_no_output(tmp_path, tok_model, capsys):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "fine"}\n{"txt": "no key"}\n', encoding="utf-8")
@@ -165,7 +217,10 @@ def test_build_datasets_embedded_default_is_cached(tmp_path):
              for r, _, fs in os.walk(tmp_path) for f in fs}
     assert {"corpus", "tokenizer", "data"} <= set(os.listdir(tmp_path))
     assert list(tmp_path.glob("*-GPTDataset-train-*.npy"))  # the index cache, as Megatron-LM's
-    again, _, _ = data.build_datasets(None, None, 64, 3, 50, 10, cache_dir=str(tmp_path), **kw)
+    said = []  # the one line before a build, none when everything is cached
+    again, _, _ = data.build_datasets(None, None, 64, 3, 50, 10, cache_dir=str(tmp_path),
+                                      log=said.append, **kw)
+    assert said == []
     assert torch.equal(again[5]["tokens"], train[5]["tokens"])
     assert {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns
             for r, _, fs in os.walk(tmp_path) for f in fs} == files

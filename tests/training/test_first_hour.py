@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from scalevec_testing import run_on_ranks
-from scalevec_testing.trainer_flags import TINY
+from scalevec_testing.trainer_flags import OVR, TINY
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 
@@ -90,7 +90,8 @@ def llama_ws(tmp_path_factory):
 # --- 1. a mismatched --pretrained-checkpoint ----------------------------------------------
 @pytest.mark.parametrize("flags, message", [
     (["--scalevec", "hg+dp+er"], r"holds strategy 'hg\+dnp\+or\+iwd', this run trains "
-                                 r"'hg\+dp\+er': convert it first"),
+                                 r"'hg\+dp\+er': pass --scalevec hg\+dnp\+or\+iwd to train its "
+                                 r"strategy; a checkpoint with DNP converts to no other"),
     (["--ffn-hidden-size", "96"], r"is another model than this run .*ffn_hidden_size: 64 != 96"),
 ])
 def test_mismatched_pretrained_checkpoint_is_one_line_and_leaves_nothing(ck, tmp_path, flags,
@@ -182,7 +183,9 @@ def test_resume_of_a_finished_run_trains_and_writes_nothing(ck, tmp_path):
              str(ck), "--run-dir", str(run))
     assert p.returncode == 0, p.stderr[-3000:]
     assert re.fullmatch(r"nothing to train: \S+iter_0000002 is at iteration 2, --train-iters 2 "
-                        r"\(pass a larger --train-iters to continue\)", p.stdout.strip())
+                        r"\(pass a larger --train-iters with --override-opt_param-scheduler \(an "
+                        r"LR schedule over the new length\) or --use-checkpoint-opt_param-"
+                        r"scheduler \(the checkpoint's\) to continue\)", p.stdout.strip())
     assert not run.exists() and _tree(ck) == before
 
 
@@ -270,7 +273,7 @@ def test_help_is_quiet_and_shows_defaults():
     assert train.returncode == 0 and train.stderr == "", train.stderr
     assert re.search(r"--lr LR\s+default: 0\.003", train.stdout), train.stdout
     assert re.search(r"--num-layers NUM_LAYERS\s+default: 4", train.stdout)
-    for tool in ("preprocess_data.py", "plot_run.py"):
+    for tool in ("preprocess_data.py", "plot_run.py", "example_data.py"):
         p = _cli(os.path.join(ROOT, "tools", tool), "--help")
         assert p.returncode == 0 and "default: " in p.stdout, tool
 
@@ -350,3 +353,86 @@ def test_flag_refusal_under_torchrun_is_printed_once(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=240)
     assert p.returncode != 0
     assert p.stderr.count("error: --lr -1.0 must be > 0") == 1, p.stderr[-3000:]
+
+
+# --- 8. every refusal's advice, followed -------------------------------------------------
+def test_resume_of_another_model_lists_every_field_and_its_flags_work(ck, tmp_path):
+    save = tmp_path / "save"
+    shutil.copytree(ck, save)
+    base = [*TINY, "--train-iters", "3", OVR, "--load", str(save)]
+    other = ["--num-layers", "3", "--hidden-size", "48", "--qk-layernorm"]
+    line = _one_line(_cli("pretrain_gpt.py", *base, *other))
+    for field in ("num_layers 2 (this run 3)", "hidden_size 32 (this run 48)",
+                  "qk_layernorm False (this run True)"):
+        assert field in line, line
+    m = re.search(r"to resume it pass (.*) and drop (--\S+)$", line)
+    assert m and m.group(1).split() == ["--num-layers", "2", "--hidden-size", "32"], line
+    p = _cli("pretrain_gpt.py", *base, *[f for f in other if f != m.group(2)], *m.group(1).split())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (save / "latest").read_text().strip() == "3"
+
+
+def test_strategy_refusal_of_a_dnp_checkpoint_offers_no_conversion(ck, tmp_path):
+    base = [*TINY, "--train-iters", "2", "--load", str(ck), "--run-dir", str(tmp_path / "r")]
+    line = _one_line(_cli("pretrain_gpt.py", *base, "--scalevec", "hg+dp+er"))
+    assert "converts to no other strategy" in line and "convert_checkpoint" not in line, line
+    m = re.search(r"pass (--scalevec \S+) to resume it", line)
+    p = _cli("pretrain_gpt.py", *base, *m.group(1).split())
+    assert p.returncode == 0 and p.stdout.startswith("nothing to train"), p.stderr[-3000:]
+
+
+def test_conversion_advice_of_a_foldable_checkpoint_works(tmp_path):
+    ck = tmp_path / "ck"
+    p = _cli("pretrain_gpt.py", *TINY, "--train-iters", "1", "--scalevec", "hg+dp+or", "--save",
+             str(ck))
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = [*TINY, "--train-iters", "1", "--scalevec", "hg+dp+er"]
+    line = _one_line(_cli("pretrain_gpt.py", *run, "--load", str(ck), "--run-dir",
+                          str(tmp_path / "r")))
+    m = re.search(r"python (tools/convert_checkpoint\.py .*) --save DIR, then "
+                  r"--pretrained-checkpoint DIR", line)
+    assert m, line
+    out = tmp_path / "converted"
+    p = _cli(*m.group(1).split(), "--save", str(out))
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = _cli("pretrain_gpt.py", *run, "--pretrained-checkpoint", str(out), "--save",
+             str(tmp_path / "new"))
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def test_run_dir_refusal_advice_is_followed(ck, tmp_path):
+    save = tmp_path / "save"
+    shutil.copytree(ck, save)
+    again = [*TINY, "--train-iters", "2", "--save", str(save)]  # ck's own command, again
+    line = _one_line(_cli("pretrain_gpt.py", *again))
+    m = re.search(r"pass (--load \S+) to resume it", line)
+    assert m and "--overwrite" in line, line
+    p = _cli("pretrain_gpt.py", *again, *m.group(1).split())
+    assert p.returncode == 0 and p.stdout.startswith("nothing to train"), p.stderr[-3000:]
+
+
+def test_megatron_lm_strategy_variables_are_refused(monkeypatch, tmp_path):
+    """Both named in one line with the flags that replace them, which then give the same
+    strategy; a test-only variable (MEGATRON_SCALEVEC_TINY) is not refused."""
+    from megatron_scalevec import megatron_lm
+    from megatron_scalevec.training.arguments import ArgumentError, parse_args
+
+    flags = TINY + ["--run-dir", str(tmp_path / "r")]
+    monkeypatch.setenv("MEGATRON_SCALEVEC_TINY", "1")
+    monkeypatch.setenv("MEGATRON_SCALEVEC", "hg+dp+er")
+    monkeypatch.setenv("MEGATRON_SCALEVEC_VECTOR_WD", "0.05")
+    with pytest.raises(ArgumentError) as e:
+        parse_args(flags)
+    line = str(e.value)
+    assert "\n" not in line and "Megatron-LM" in line, line
+    use = re.search(r"pass (.*) instead", line).group(1).replace(",", "").split()
+    assert use == ["--scalevec", "hg+dp+er", "--scale-vector-weight-decay", "0.05"], line
+    monkeypatch.delenv("MEGATRON_SCALEVEC")
+    monkeypatch.delenv("MEGATRON_SCALEVEC_VECTOR_WD")
+    cfg = parse_args(flags + use).scalevec_config
+    assert cfg.to_string() == "hg+dp+er" and cfg.scale_vector_weight_decay == 0.05
+    monkeypatch.setattr(megatron_lm, "STRATEGY_ENV_VARS", (*megatron_lm.STRATEGY_ENV_VARS,
+                                                           "MEGATRON_SCALEVEC_NEW"))
+    monkeypatch.setenv("MEGATRON_SCALEVEC_NEW", "x")  # a name added to the list is refused too
+    with pytest.raises(ArgumentError, match="MEGATRON_SCALEVEC_NEW=x"):
+        parse_args(flags)

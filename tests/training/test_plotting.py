@@ -1,5 +1,6 @@
-"""Plots of a run's metrics: titled loss plot marking non-finite steps; gamma plot with axis
-labels and legends for every run given, ER runs included, lines grouped when many."""
+"""Plots of a run's metrics: titled loss plot marking non-finite steps; gamma plot with one row
+of panels per kind of vector, a line per branch for every run given (ER included), legends
+outside the panels."""
 
 import json
 
@@ -42,16 +43,57 @@ def test_loss_plot_title_and_nonfinite_marks(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-def test_gamma_plot_every_run_er_included_grouped(tmp_path):
-    runs = [_run(tmp_path / "or", "hg+dnp+or+iwd", 2, True),
-            _run(tmp_path / "er", "hg+dp+er", 8, False)]
-    fig = plot_gamma(runs, str(tmp_path / "gamma.png"))
-    cons, norm, beta = fig.axes[:3]
-    for ax in (cons, norm, beta):
-        assert ax.get_xlabel() == "iteration" and ax.get_ylabel()
-    labels = [t.get_text() for t in norm.get_legend().get_texts()]
-    assert any(lab.startswith("or:") for lab in labels)
-    assert any(lab.startswith("er:") for lab in labels)  # ER runs are shown
-    er = [lab for lab in labels if lab.startswith("er:")]
-    assert len(er) == 3 and all("mean over layers" in lab for lab in er)  # 24 -> 3 branches
-    assert len(beta.lines) == 6  # OR only: 2 layers x 3 branches
+def _moe_unified(path, layers=4, experts=8):
+    """The vector statistics a unified MoE run logs (names as the trainer writes them)."""
+    path.mkdir()
+    recs = []
+    for it in range(1, 6):
+        r = dict(iteration=it, loss=5.0 - it * 0.1)
+        for layer in range(layers):
+            head = f"sv/decoder.layers.{layer}."
+            names = [f"self_attention.linear_qkv.scale_in.{b}" for b in "qkv"]
+            names += [f"self_attention.{b}_norm" for b in "qkv"] + ["mlp.router.scale_in"]
+            for e in range(experts):
+                ex = f"mlp.experts.local_experts.{e}."
+                names += [f"{ex}linear_fc1.scale_in.{b}" for b in ("gate", "up")]
+                names += [f"{ex}{b}_norm" for b in ("gate", "up")]
+            for n in names:
+                r[f"{head}{n}/norm"] = 8.0 + 0.01 * it * (layer + 1)
+                r[f"{head}{n}/beta"] = 1.0 + 0.001 * it
+                if ".scale_in." in n:
+                    r[f"{head}{n}/conservation"] = 0.9 - 0.01 * it
+        r["sv/decoder.final_layernorm/norm"] = 8.0
+        recs.append(r)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_gamma_plot_one_row_per_vector_kind_legends_outside(tmp_path, recwarn):
+    """~450 logged vectors of a unified MoE run: one row per kind of vector, a line per branch
+    (layers and experts averaged), no legend over any panel, nothing cut at the edges."""
+    runs = [_moe_unified(tmp_path / "moe"), _run(tmp_path / "er", "hg+dp+er", 8, False)]
+    out = tmp_path / "gamma.png"
+    fig = plot_gamma(runs, str(out))
+    titles = [ax.get_title().split(":")[0] for ax in fig.axes]
+    kinds = list(dict.fromkeys(titles))
+    assert kinds == ["attention input (HG)", "attention output (DP / DNP)", "router input (HG)",
+                     "MLP / expert input (HG)", "MLP / expert output (DP / DNP)", "final norm"]
+    assert len(fig.axes) == 3 * len(kinds)  # norm, beta, conservation for every kind
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == len(kinds)
+    assert max(len(lg.get_texts()) for lg in legends) <= 6  # e.g. moe: q/k/v, er: q/k/v
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    boxes = [ax.get_window_extent(renderer) for ax in fig.axes if ax.axison]
+    for lg in legends:
+        box = lg.get_window_extent(renderer)
+        assert not any(_overlaps(box, ax) for ax in boxes), "a legend covers a panel"
+    er_norm = fig.axes[2 * 0].lines  # attention input, norm: both runs' branches
+    assert len(er_norm) == 6
+    assert not [w for w in recwarn if "layout" in str(w.message).lower()]
+    assert out.stat().st_size > 0

@@ -116,3 +116,28 @@ def test_vector_statistics_read_the_host_once():
     assert len(want) > 20 and set(want) <= set(stats), sorted(set(want) - set(stats))
     assert all(abs(stats[k] - v) <= 1e-6 * max(1.0, abs(v)) for k, v in want.items())
     assert any(k.endswith("/conservation") for k in stats)
+
+
+def test_tensorboard_dir_writes_the_scalars(tmp_path):
+    """The extra ``.[tensorboard]`` (in the test extra) makes --tensorboard-dir write events."""
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    run_on_ranks(run_trainer, 1, TINY + ["--train-iters", "2", "--run-dir", str(tmp_path / "r"),
+                                         "--no-save", "--tensorboard-dir", str(tb)],
+                 timeout=180)
+    events = list(tb.glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
+
+
+def test_tensorboard_dir_without_tensorboard_names_the_extra(monkeypatch, tmp_path):
+    import importlib.util
+
+    from megatron_scalevec.training import arguments
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(arguments.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(arguments.ArgumentError, match=r"megatron_scalevec\[tensorboard\]"):
+        arguments.parse_args(TINY + ["--run-dir", str(tmp_path / "r"), "--tensorboard-dir",
+                                     str(tmp_path / "tb")])
+    assert not (tmp_path / "r").exists()

@@ -109,6 +109,34 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
         _run(1, "--train-iters", "8", "--load", str(ck), run_dir=tmp_path / "r5")
 
 
+# Megatron-LM's FP8 flags (core_v0.16.1 to core_v0.19.x megatron/training/arguments.py), read
+# from its source: flag -> (default, choices)
+MEGATRON_LM_FP8 = {
+    "fp8_format": (None, ("e4m3", "hybrid")),
+    "fp8_recipe": ("delayed", ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")),
+    "fp8_margin": (0, None),
+    "fp8_amax_history_len": (1, None),
+    "fp8_amax_compute_algo": ("most_recent", ("most_recent", "max")),
+}
+
+
+def test_fp8_flags_are_megatron_lms_and_reach_the_config(tmp_path):
+    """Our trainer's FP8 flags have Megatron-LM's names, defaults and choices, and become the
+    TransformerConfig fields Megatron-LM sets from them (FP8 off: none set)."""
+    from megatron_scalevec.training import arguments, build
+
+    parser = arguments.build_parser()
+    actions = {a.dest: a for a in parser._actions}
+    for dest, (default, choices) in MEGATRON_LM_FP8.items():
+        assert actions[dest].default == default, dest
+        assert (tuple(actions[dest].choices) if actions[dest].choices else None) == choices, dest
+    args = parse_args(TINY + ["--run-dir", str(tmp_path / "r"), "--transformer-impl", "local"])
+    assert build._fp8(args) == {}
+    args.fp8_format, args.fp8_amax_history_len, args.fp8_amax_compute_algo = "hybrid", 1024, "max"
+    assert build._fp8(args) == dict(fp8_recipe="delayed", fp8_margin=0,
+                                    fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+
+
 @pytest.mark.parametrize("flags, world, message", [
     (["--spec", "llama"], 1, "--spec 'llama' is unknown"),
     (["--hidden-size", "30"], 1, "not divisible by --num-attention-heads"),
@@ -121,6 +149,10 @@ def test_bad_checkpoints_fail_clearly(tmp_path):
     (["--spec", "baseline", "--scalevec", "unified"], 1, "--spec baseline"),
     (["--lr-decay-style", "step"], 1, "invalid choice"),
     (["--fp8-format", "hybrid", "--transformer-impl", "local"], 1, "--fp8-format needs"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], 1,
+     "--fp8-recipe blockwise is not supported"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "custom"], 1, "--fp8-recipe custom is not supp"),
+    (["--fp8-amax-compute-algo", "mean"], 1, "invalid choice"),
     (["--moe-grouped-gemm"], 1, "--moe-grouped-gemm applies to MoE experts"),
     (["--fused-compile", "yes"], 1, "invalid choice"),
 ] + ([] if importlib.util.find_spec("transformer_engine") else [
@@ -162,7 +194,7 @@ def test_torchrun_two_processes(tmp_path):
 def test_virtual_pipeline_uses_unbatched_p2p(tmp_path):
     """Under VPP the trainer, as Megatron-LM, sends p2p unbatched: batched, interleaved PP2
     crosses an activation and a gradient on gloo (tests/parity/test_layouts.py shows the wrong
-    loss); PP2 x VPP2 then trains."""
+    loss); PP2 x VPP2 then trains, saves and resumes."""
     from megatron_scalevec.training.build import transformer_config
 
     pp = ["--num-layers", "4", "--pipeline-model-parallel-size", "2"]
@@ -174,3 +206,7 @@ def test_virtual_pipeline_uses_unbatched_p2p(tmp_path):
     losses = _run(2, *pp, "--virtual-pipeline-model-parallel-size", "2", "--train-iters", "8",
                   run_dir=tmp_path / "run")
     assert len(losses) == 8 and losses[-1] < losses[0], losses
+    # its checkpoint (the run dir's, by default) holds both chunks of each stage and resumes
+    more = _run(2, *pp, "--virtual-pipeline-model-parallel-size", "2", "--train-iters", "9",
+                OVR, "--load", str(tmp_path / "run"), run_dir=tmp_path / "run")
+    assert len(more) == 1 and (tmp_path / "run" / "latest").read_text().strip() == "9"
