@@ -20,6 +20,7 @@ Readings the paper leaves open are fields here, never constants in the layers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,6 +67,10 @@ class ScaleVecConfig:
             folds exactly into a stock layer (gamma_q into W_q, beta kept) and is what
             Transformer Engine's fused LayerNorm + linear computes with a folded weight. DNP's
             added norms have none. ``none``: no bias anywhere.
+        vector_lr_mult: the scale vectors' learning rate over the base one (every vector
+            part; the schedule's peak and floor both scaled, optim.py). None: the strategy's
+            default (:func:`default_vector_lr_mult`), resolved at construction so a recorded
+            config never changes meaning.
     """
 
     vectors: bool = True
@@ -80,8 +85,11 @@ class ScaleVecConfig:
     apply_mode: str = "auto"
     expert_vectors: str = "per_expert"
     layernorm_bias: str = "stock"
+    vector_lr_mult: Optional[float] = None
 
     def __post_init__(self):
+        if self.vector_lr_mult is None:
+            object.__setattr__(self, "vector_lr_mult", default_vector_lr_mult(self))
         if self.dp and self.dnp:
             raise ValueError("ScaleVecConfig: 'dp' and 'dnp' conflict: both place an output-side "
                              "vector on the same branch; choose one")
@@ -105,6 +113,12 @@ class ScaleVecConfig:
                              f"got {self.layernorm_bias!r}")
         if self.scale_vector_weight_decay is not None and self.scale_vector_weight_decay < 0:
             raise ValueError("ScaleVecConfig.scale_vector_weight_decay must be >= 0")
+        m = self.vector_lr_mult
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) \
+                or m <= 0:
+            raise ValueError(f"ScaleVecConfig.vector_lr_mult must be a number > 0 (the scale "
+                             f"vectors' learning rate over the base one); got {m!r}")
+        object.__setattr__(self, "vector_lr_mult", float(m))
 
     @classmethod
     def from_string(cls, text: str, **overrides) -> ScaleVecConfig:
@@ -161,11 +175,13 @@ class ScaleVecConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ScaleVecConfig:
+        """A recorded config; one recorded before ``vector_lr_mult`` existed trained its
+        vectors at the base LR (1.0), whatever today's default."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"ScaleVecConfig: unknown fields {unknown}")
-        return cls(**d)
+        return cls(**{"vector_lr_mult": 1.0, **d})
 
     def describe(self) -> str:
         """The strategy string and every option that differs from its default, in one line
@@ -185,6 +201,11 @@ class ScaleVecConfig:
         if self.apply_mode != "auto":
             return self.apply_mode
         return "weight" if local_linear else "activation"
+
+
+def default_vector_lr_mult(cfg: ScaleVecConfig) -> float:
+    """The vectors' LR multiplier a strategy gets unless one is given (docs/RESULTS.md)."""
+    return 1.0
 
 
 def moe_layer_flags(num_layers: int, moe_layer_freq, is_moe: bool) -> list:
@@ -259,6 +280,10 @@ def unsupported_with(options, scalevec: ScaleVecConfig) -> Optional[str]:
                 f"supported for {scalevec.to_string()}'s plain vectors in our norms and "
                 "linears: use an OR or ER parameterization, or shared on "
                 "--transformer-impl transformer_engine without --qk-layernorm (TE's norms)")
+    if zero_centered and scalevec.iwd:
+        return ("--apply-layernorm-1p (zero-centred gamma, stored as gamma - 1) is not "
+                "supported with IWD: its decay would pull gamma toward 1, not 0; drop iwd or "
+                "the flag")
     if getattr(options, "apply_wd_to_qk_layernorm", False) and (scalevec.dnp or scalevec.iwd):
         return (f"--apply-wd-to-qk-layernorm is not supported with {scalevec.to_string()}: "
                 f"{'DNP' if scalevec.dnp else 'IWD'} decides the QK-norm's decay (an "

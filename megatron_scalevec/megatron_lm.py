@@ -79,19 +79,48 @@ __all__ = ["ENV_STRATEGY", "ENV_VECTOR_WD", "STRATEGY_ENV_VARS", "env_strategy",
 
 # --------------------------------------------------------------------------- IWD
 def iwd_overrides(config, overrides: Optional[dict], scalevec: ScaleVecConfig) -> dict:
-    """Megatron's ``config_overrides`` with our decay rules in place of its 1-D rule.
+    """Megatron's ``config_overrides`` with our decay rules in place of its 1-D rule, and the
+    vectors' learning rate (optim.py).
 
-    Without IWD the strategy's decay is Megatron's own, so ``overrides`` is returned as is.
+    Without IWD the strategy's decay is Megatron's own: ``overrides`` is kept as is, plus one
+    key giving the vectors their LR when ``vector_lr_mult`` is not 1.
     """
-    overrides = dict(overrides or {})
-    if not scalevec.iwd:
-        return overrides
+    from megatron.core.optimizer import ParamKey, ParamWithNamePredicate  # noqa: PLC0415
+
     from megatron_scalevec import optim  # noqa: PLC0415 (optimizer imports only when used)
 
+    overrides = dict(overrides or {})
+    if not scalevec.iwd:
+        lr = optim.lr_override(scalevec, config)
+        if lr is not None:
+            overrides[ParamKey(with_name_predicate=ParamWithNamePredicate(
+                name="scalevec_vector_lr", fn=optim.is_vector))] = lr
+        return overrides
     rules = optim.decay_rules(scalevec, config.weight_decay)
     merged = {k: v for k, v in overrides.items() if dict(v) != dict(optim.NO_DECAY)}
-    merged.update(optim.config_overrides(rules, config))
+    merged.update(optim.config_overrides(rules, config, scalevec))
     return merged
+
+
+def lr_conflict(config_overrides: Optional[dict], model_chunks) -> Optional[str]:
+    """An override of someone else's (not ``scalevec_*``) that also sets a vector's LR, e.g.
+    megatron-core 0.19's MuP under SGD (``--use-mup``): megatron-core would raise on the
+    conflict; named here in one line. None when there is none."""
+    ours = "scalevec_"
+    for key, override in (config_overrides or {}).items():
+        pred = getattr(key, "with_name_predicate", None)
+        if getattr(pred, "name", "").startswith(ours) or not \
+                ({"max_lr", "min_lr"} & set(override)):
+            continue
+        for chunk in model_chunks:
+            for name, p in chunk.named_parameters():
+                if getattr(p, "scalevec_role", None) and key.matches(p, name):
+                    label = getattr(pred, "name", None) or key
+                    return (f"the override {label} also sets the learning rate of scale vector "
+                            f"{name} ({dict(override)}), which our vector_lr_mult sets: unset "
+                            f"MEGATRON_SCALEVEC_VECTOR_LR_MULT (or set it to 1), or drop the "
+                            f"other (e.g. --use-mup with --optimizer sgd)")
+    return None
 
 
 def refuse_unsupported(args, scalevec: Optional[ScaleVecConfig] = None) -> None:
@@ -139,14 +168,18 @@ def wrap_optimizer_builder(original, log=None):
     def builder(config, model_chunks, *args, **kwargs):
         _state["model"] = list(model_chunks)
         scalevec = _state["scalevec"]
-        if scalevec is not None and scalevec.iwd:
+        if scalevec is not None:
             import torch.distributed as dist  # noqa: PLC0415
 
             from megatron_scalevec import optim  # noqa: PLC0415
 
+            if scalevec.vector_lr_mult != 1.0:
+                why = lr_conflict(kwargs.get("config_overrides"), _state["model"])
+                if why:
+                    refuse(why)
             rules = optim.decay_rules(scalevec, config.weight_decay)
             summary = optim.decay_summary(rules, _state["model"], config.weight_decay,
-                                          scalevec)
+                                          scalevec, config.lr)
             if not dist.is_initialized() or dist.get_rank() == 0:
                 if log is None:
                     print(summary, flush=True)

@@ -12,6 +12,7 @@ variable                               ScaleVecConfig field (default)
 ``MEGATRON_SCALEVEC_DECAY_DIRECTION``  ``decay_direction`` (``0``; ``1`` / ``0``)
 ``MEGATRON_SCALEVEC_DP_OUTPUT_ROLE``   ``dp_output_role`` (``input``)
 ``MEGATRON_SCALEVEC_LAYERNORM_BIAS``   ``layernorm_bias`` (``stock``)
+``MEGATRON_SCALEVEC_VECTOR_LR_MULT``   ``vector_lr_mult`` (the strategy's; a number > 0)
 =====================================  ==============================================
 
 Then (:func:`adopt`, at that import) the whole strategy is written into Megatron-LM's ``args``
@@ -41,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 ENV_STRATEGY = "MEGATRON_SCALEVEC"
 ENV_VECTOR_WD = "MEGATRON_SCALEVEC_VECTOR_WD"
-OPTION_FIELDS = ("expert_vectors", "decay_direction", "dp_output_role", "layernorm_bias")
+OPTION_FIELDS = ("expert_vectors", "decay_direction", "dp_output_role", "layernorm_bias",
+                 "vector_lr_mult")
 OPTION_ENV = {f: f"{ENV_STRATEGY}_{f.upper()}" for f in OPTION_FIELDS}
 # every variable meant for Megatron-LM (our trainer refuses them: it has flags)
 STRATEGY_ENV_VARS = (ENV_STRATEGY, ENV_VECTOR_WD, *OPTION_ENV.values())
@@ -54,6 +56,11 @@ def _option(field: str, text: str):
         if text.lower() not in _BOOLS:
             raise ValueError(f"{OPTION_ENV[field]}={text!r}: use 1 or 0")
         return _BOOLS[text.lower()]
+    if "float" in str(kind):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{OPTION_ENV[field]}={text!r}: use a number") from None
     return text
 
 
@@ -184,9 +191,18 @@ def check_resume(args, cfg: ScaleVecConfig) -> None:
         logger.warning("megatron_scalevec: %s records no strategy: not checked", path)
         return
     diff = ckpt.strategy_mismatch(recorded, cfg)
+    fresh_optimizer = getattr(args, "no_load_optim", False) or getattr(args, "finetune", False)
+    if diff and recorded != ckpt.STOCK and fresh_optimizer and \
+            recorded.replace(vector_lr_mult=cfg.vector_lr_mult) == cfg:
+        logger.warning("megatron_scalevec: %s trained its vectors at %g x the LR; this run "
+                       "starts a fresh optimizer at %g x", path, recorded.vector_lr_mult,
+                       cfg.vector_lr_mult)
+        return
     if diff:
         how = ("drop --spec to resume it" if recorded == ckpt.STOCK else
                f"resume it with {env_for(recorded)}")
+        if recorded != ckpt.STOCK and recorded.replace(vector_lr_mult=cfg.vector_lr_mult) == cfg:
+            how += " (or pass --no-load-optim to start the optimizer afresh at this multiplier)"
         refuse(f"checkpoint {path} has another strategy: {diff}; {how}")
 
 
@@ -195,9 +211,11 @@ def env_for(cfg: ScaleVecConfig) -> str:
     parts = [f"{ENV_STRATEGY}={cfg.to_string()}"]
     if cfg.scale_vector_weight_decay is not None:
         parts.append(f"{ENV_VECTOR_WD}={cfg.scale_vector_weight_decay}")
-    default = ScaleVecConfig()
+    default = ScaleVecConfig.from_string(cfg.to_string())
     for field, var in OPTION_ENV.items():
         value = getattr(cfg, field)
         if value != getattr(default, field):
-            parts.append(f"{var}={int(value) if isinstance(value, bool) else value}")
+            text = int(value) if isinstance(value, bool) else \
+                f"{value:g}" if isinstance(value, float) else value
+            parts.append(f"{var}={text}")
     return " ".join(parts)

@@ -16,7 +16,16 @@ other_1d            any other 1-D parameter or bias (Megatron default)   none
 matrices            everything else (Megatron default)                    the matrices' wd
 ==================  ===================================================  ================
 
-Without IWD the list is Megatron's own default (``other_1d`` + ``matrices``).
+Without IWD the list is Megatron's own default (``other_1d`` + ``matrices``) after a
+``vectors`` rule (every scale-vector part; no decay, as ``other_1d``) that names the vectors for
+their learning rate.
+
+Learning rate: ``ScaleVecConfig.vector_lr_mult`` = m != 1 gives every vector rule's group
+``max_lr`` and ``min_lr`` m times the base ones (both schedulers, 0.16.1 and 0.19.2, read
+them per group) and ``lr_mult`` m, which neither scheduler reads: megatron-core 0.16.1 pairs a
+checkpoint's param groups with the run's by (wd_mult, lr_mult, is_expert_parallel,
+is_decoupled_lr) only, so a vector group differing from another only in ``max_lr`` would take
+that group's LR after a resume. m = 1 adds nothing (megatron-core's groups, unchanged).
 
 Rules become megatron-core ``ParamKey`` -> ``ParamGroupOverride`` entries merged with
 ``get_standard_config_overrides`` (whose 1-D rule ours replaces, since two conflicting
@@ -77,6 +86,7 @@ class DecayRule:
     override: Optional[ParamGroupOverride]  # None: Megatron's default (decay as matrices)
     required: bool = False
     decays: bool = False
+    vectors: bool = False  # scale-vector parts: the vectors' learning rate applies
 
 
 def _role(p) -> Optional[str]:
@@ -89,6 +99,11 @@ def _part(p) -> Optional[str]:
 
 def _is_1d_or_bias(p, name: str) -> bool:
     return p.dim() == 1 or name.endswith(".bias")
+
+
+def is_vector(p, name: str = "") -> bool:
+    """A scale-vector part (vectors.py marks each; layers/te.py TE's trainable Pre-Norm gamma)."""
+    return _role(p) is not None
 
 
 def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> list[DecayRule]:
@@ -104,12 +119,16 @@ def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> list[DecayRule
         rules += [
             DecayRule("input_vectors",
                       lambda p, n: _role(p) == "input" and _part(p) in decayed,
-                      vec_override, required=True, decays=True),
-            DecayRule("input_directions", lambda p, n: _role(p) == "input", NO_DECAY),
+                      vec_override, required=True, decays=True, vectors=True),
+            DecayRule("input_directions", lambda p, n: _role(p) == "input", NO_DECAY,
+                      vectors=True),
             DecayRule("output_vectors", lambda p, n: _role(p) == "output", NO_DECAY,
                       required=scalevec.dnp or (scalevec.dp and scalevec.dp_output_role ==
-                                                "output")),
+                                                "output"), vectors=True),
         ]
+    elif scalevec.vectors:
+        rules.append(DecayRule("vectors", is_vector, NO_DECAY, vectors=True,
+                               required=scalevec.vector_lr_mult != 1.0))
     rules += [
         DecayRule("other_1d", _is_1d_or_bias, NO_DECAY),
         DecayRule("matrices", lambda p, n: True, None, required=True, decays=weight_decay > 0),
@@ -135,11 +154,28 @@ def vector_override(weight_decay: float, svwd: Optional[float]
             "end_wd": svwd / VECTOR_WD_MULT}
 
 
+def lr_override(scalevec: ScaleVecConfig, config: OptimizerConfig
+                ) -> Optional[ParamGroupOverride]:
+    """The vectors' learning-rate override (module docstring); None at m = 1."""
+    m = scalevec.vector_lr_mult
+    if m == 1.0:
+        return None
+    if config.lr is None:
+        raise ValueError("vector_lr_mult needs OptimizerConfig.lr (the base learning rate)")
+    out: ParamGroupOverride = {"max_lr": config.lr * m, "lr_mult": m}
+    if config.min_lr is not None:
+        out["min_lr"] = config.min_lr * m
+    return out
+
+
 def set_initial_weight_decay(optimizer, weight_decay: float) -> None:
-    """Each param group's decay before any scheduler step, as the scheduler would set it at
-    ``weight_decay``: ``start_wd`` (if the group has one, else ``weight_decay``) x ``wd_mult``."""
+    """Each param group's decay (and LR) before any scheduler step, as the scheduler would set
+    them at ``weight_decay`` without warmup: ``start_wd`` (if the group has one, else
+    ``weight_decay``) x ``wd_mult``; the group's ``max_lr``."""
     for group in optimizer.param_groups:
         group["weight_decay"] = group.get("start_wd", weight_decay) * group.get("wd_mult", 1.0)
+        if group.get("max_lr") is not None:
+            group["lr"] = group["max_lr"]
 
 
 def classify(rules: Sequence[DecayRule], param, name: str) -> DecayRule:
@@ -149,13 +185,19 @@ def classify(rules: Sequence[DecayRule], param, name: str) -> DecayRule:
     raise AssertionError("the last rule matches everything")
 
 
-def config_overrides(rules: Sequence[DecayRule], config: OptimizerConfig
+def config_overrides(rules: Sequence[DecayRule], config: OptimizerConfig,
+                     scalevec: Optional[ScaleVecConfig] = None
                      ) -> dict[ParamKey, ParamGroupOverride]:
-    """megatron-core overrides: the standard ones minus their 1-D wd rule, plus ours."""
+    """megatron-core overrides: the standard ones minus their 1-D wd rule, plus ours (and the
+    vectors' LR when ``scalevec`` asks for one)."""
     overrides = {k: v for k, v in get_standard_config_overrides(config).items()
                  if dict(v) != dict(NO_DECAY)}
+    lr = None if scalevec is None else lr_override(scalevec, config)
     for rule in rules:
-        if rule.override is None:
+        override = rule.override
+        if lr is not None and rule.vectors:
+            override = {**(override or {}), **lr}
+        if override is None:
             continue
 
         def first_match(p, n, _rule=rule):
@@ -163,7 +205,7 @@ def config_overrides(rules: Sequence[DecayRule], config: OptimizerConfig
 
         key = ParamKey(with_name_predicate=ParamWithNamePredicate(
             name=f"scalevec_iwd_{rule.name}", fn=first_match))
-        overrides[key] = rule.override
+        overrides[key] = override
     return overrides
 
 
@@ -175,9 +217,11 @@ def _named_params(model_chunks):
 
 
 def decay_summary(rules: Sequence[DecayRule], model_chunks, weight_decay: float,
-                  scalevec: ScaleVecConfig) -> str:
-    """One screen: tensors and parameters per rule (this rank's shards; a rule's match is
-    checked over all ranks). Raises if a required rule matches nothing anywhere."""
+                  scalevec: ScaleVecConfig, lr: Optional[float] = None) -> str:
+    """One screen: per rule the decay, the peak LR (``lr`` x the vectors' multiplier for
+    vector rules; omitted when ``lr`` is None), tensors and parameters (this rank's shards; a
+    rule's match is checked over all ranks). Raises if a required rule matches nothing
+    anywhere."""
     counts = {r.name: [0, 0] for r in rules}
     for name, p in _named_params(model_chunks):
         c = counts[classify(rules, p, name).name]
@@ -187,29 +231,35 @@ def decay_summary(rules: Sequence[DecayRule], model_chunks, weight_decay: float,
     totals = sharding.sum_over_world(totals)
     missing = [r.name for r, t in zip(rules, totals.tolist()) if r.required and t == 0]
     if missing:
-        raise RuntimeError(f"IWD rule(s) {missing} matched no parameter on any rank for strategy "
-                           f"{scalevec.to_string()!r}: the model does not carry the scale-vector "
-                           f"attributes the strategy implies (built with the wrong spec?)")
+        raise RuntimeError(f"optimizer rule(s) {missing} matched no parameter on any rank for "
+                           f"strategy {scalevec.describe()!r}: the model does not carry the "
+                           f"scale-vector attributes the strategy implies (built with the "
+                           f"wrong spec?)")
     svwd = scalevec.scale_vector_weight_decay
+    m = scalevec.vector_lr_mult
+    lr_note = "" if lr is None else f", peak LR (vectors at {m:g} x --lr {lr:g})"
     lines = [f"weight decay groups (strategy {scalevec.to_string()}; the wd each rule applies, "
-             f"before the schedule; this rank's shards):",
-             f"  {'rule':<18}{'wd':>7}{'tensors':>9}{'params':>13}"]
+             f"before the schedule{lr_note}; this rank's shards):",
+             f"  {'rule':<18}{'wd':>7}" + ("" if lr is None else f"{'lr':>11}")
+             + f"{'tensors':>9}{'params':>13}"]
     for r in rules:
         wd = (svwd if svwd is not None else weight_decay) if r.name == "input_vectors" else \
             (weight_decay if r.decays else 0.0)
         n_t, n_p = counts[r.name]
-        lines.append(f"  {r.name:<18}{wd:>7g}{n_t:>9}{n_p:>13,}")
+        peak = "" if lr is None else f"{lr * (m if r.vectors else 1.0):>11.4g}"
+        lines.append(f"  {r.name:<18}{wd:>7g}{peak}{n_t:>9}{n_p:>13,}")
     return "\n".join(lines)
 
 
 def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecConfig,
                     use_muon: bool = False, log: Callable[[str], None] = print):
-    """``get_megatron_optimizer`` (or Muon) with the IWD rules; logs the one-screen summary."""
+    """``get_megatron_optimizer`` (or Muon) with the IWD rules and the vectors' LR; logs the
+    one-screen summary."""
     rules = decay_rules(scalevec, config.weight_decay)
-    summary = decay_summary(rules, model_chunks, config.weight_decay, scalevec)
+    summary = decay_summary(rules, model_chunks, config.weight_decay, scalevec, config.lr)
     if not dist.is_initialized() or dist.get_rank() == 0:
         log(summary)
-    overrides = config_overrides(rules, config)
+    overrides = config_overrides(rules, config, scalevec)
     if use_muon:
         from megatron_scalevec.compat.mcore import get_muon_optimizer  # noqa: PLC0415
 
@@ -219,3 +269,22 @@ def build_optimizer(config: OptimizerConfig, model_chunks, scalevec: ScaleVecCon
     set_initial_weight_decay(optimizer, config.weight_decay)
     return optimizer
 
+
+
+@dataclass(frozen=True)
+class BridgeOverrides:
+    """Megatron-Bridge's ``optimizer_config_override_provider`` (``ConfigContainer`` field,
+    ``setup_optimizer`` argument) for a strategy: IWD and the vectors' LR as in our trainer
+    (Bridge's default provider knows neither). Bridge calls ``build_config_overrides(context)``
+    with the optimizer config and the model; the one-screen summary is logged there."""
+
+    scalevec: ScaleVecConfig
+
+    def build_config_overrides(self, context) -> dict:
+        config = context.optimizer_config
+        chunks = context.model if isinstance(context.model, list) else [context.model]
+        rules = decay_rules(self.scalevec, config.weight_decay)
+        summary = decay_summary(rules, chunks, config.weight_decay, self.scalevec, config.lr)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.info(summary)
+        return config_overrides(rules, config, self.scalevec)

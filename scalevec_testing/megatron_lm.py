@@ -37,7 +37,8 @@ the shim changes, and why (each only what a CPU cannot answer, never the model o
 ==  =====================================  ============================================
 
 Each rank writes a JSON record (the parameter names and shapes of every model chunk, the loss
-of every iteration, the exit code) to ``<out>/rank<r>.json``; :func:`run` returns them with the
+of every iteration, each parameter's optimizer group LRs at the end, the exit code) to
+``<out>/rank<r>.json``; :func:`run` returns them with the
 ranks' combined output.
 """
 
@@ -331,6 +332,7 @@ def _record(training, record: dict, claim) -> None:
             result = setup(*args, **kwargs)
         record["params"] = [[(n, list(p.shape)) for n, p in chunk.named_parameters()]
                             for chunk in result[0]]
+        record["_optimizer"] = (result[0], result[1])
         return result
 
     log = training.training_log
@@ -350,6 +352,17 @@ def _record(training, record: dict, claim) -> None:
     training.setup_model_and_optimizer = setup_model_and_optimizer
     training.training_log = training_log
     training.get_forward_backward_func = get_forward_backward_func
+
+
+def optimizer_groups(model, optimizer) -> dict:
+    """``{chunk<i>.<name>: [max_lr, min_lr, lr_mult, lr]}`` of the parameters the optimizer
+    steps directly (all of them without the distributed optimizer), at the end of the run."""
+    if optimizer is None:
+        return {}
+    names = {id(p): f"chunk{i}.{n}" for i, chunk in enumerate(model)
+             for n, p in chunk.named_parameters()}
+    return {names[id(p)]: [g.get("max_lr"), g.get("min_lr"), g.get("lr_mult"), g.get("lr")]
+            for g in optimizer.param_groups for p in g["params"] if id(p) in names}
 
 
 def main(argv=None) -> int:
@@ -373,6 +386,7 @@ def main(argv=None) -> int:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         record["exit"] = code
+        record["groups"] = optimizer_groups(*record.pop("_optimizer", (None, None)))
         rank = os.environ.get("RANK", "0")
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)

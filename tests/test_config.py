@@ -48,3 +48,21 @@ def test_direct_construction_is_validated():
 def test_overrides_through_from_string():
     cfg = ScaleVecConfig.from_string("unified", scale_vector_weight_decay=0.05)
     assert cfg.scale_vector_weight_decay == 0.05
+
+
+def test_vector_lr_mult_is_validated_resolved_and_recorded():
+    """A number > 0; None resolves to the strategy's default at construction (a recorded
+    config never changes meaning); a record from before the field existed means 1."""
+    for bad in (0, -1.0, float("nan"), float("inf"), "7", True):
+        with pytest.raises(ValueError, match="vector_lr_mult must be a number > 0"):
+            ScaleVecConfig.from_string("shared", vector_lr_mult=bad)
+    from megatron_scalevec.config import default_vector_lr_mult
+
+    for s in ("shared", "unified", "hg+dp+er"):
+        cfg = ScaleVecConfig.from_string(s)
+        assert cfg.vector_lr_mult == default_vector_lr_mult(cfg)
+        assert ScaleVecConfig.from_dict(cfg.to_dict()) == cfg
+        old = {k: v for k, v in cfg.to_dict().items() if k != "vector_lr_mult"}
+        assert ScaleVecConfig.from_dict(old).vector_lr_mult == 1.0
+    seven = ScaleVecConfig.from_string("unified", vector_lr_mult=7)
+    assert seven.vector_lr_mult == 7.0 and "vector_lr_mult=7.0" in seven.describe()

@@ -226,15 +226,17 @@ def save_hf(model, out_dir: str, *, overwrite: bool = False,
     return name
 
 
-def scalevec_provider(bridge: AutoBridge, strategy: str, *, allow_function_change: bool = False,
+def scalevec_provider(bridge: AutoBridge, strategy, *, allow_function_change: bool = False,
                       load_weights: bool = True) -> GPTModelProvider:
-    """``bridge.to_megatron_provider`` with our spec for ``strategy``; the HF weights are
-    warm-started into it when the model is provided (function-changing targets refused unless
-    ``allow_function_change``)."""
+    """``bridge.to_megatron_provider`` with our spec for ``strategy`` (a string or a
+    ScaleVecConfig: its options, the vectors' LR included, which the optimizer takes through
+    ``optim.BridgeOverrides(cfg)``); the HF weights are warm-started into it when the model is
+    provided (function-changing targets refused unless ``allow_function_change``)."""
     if not isinstance(bridge._model_bridge, ScaleVecBridgeMixin):  # private, Bridge 0.3.1
         raise ValueError(f"{type(bridge._model_bridge).__name__} is not a scale-vector bridge: "
                          f"import megatron_scalevec.convert.bridge before AutoBridge")
-    ScaleVecConfig.from_string(strategy)  # a bad strategy fails here, in one line
+    if not isinstance(strategy, ScaleVecConfig):
+        ScaleVecConfig.from_string(strategy)  # a bad strategy fails here, in one line
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     provider.transformer_layer_spec = functools.partial(scalevec_moe_spec, scalevec=strategy)
     setattr(provider, ALLOW_FLAG, allow_function_change)

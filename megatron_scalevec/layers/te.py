@@ -11,8 +11,9 @@ module's own FP8 weight quantizer. So the fused QKV / fc1 GEMM runs once, and TE
 * dense ``linear_qkv`` / ``linear_fc1``: a ``TELayerNormColumnParallelLinear`` subclass. Under
   HG (and ``none``) its ``layer_norm_weight`` is frozen at identity (1, or 0 under
   ``layernorm_zero_centered_gamma``): not trained, not decayed, not saved. Under ``shared`` it
-  is the stock trainable gamma under the stock name. A LayerNorm's ``layer_norm_bias`` stays
-  trainable (``ScaleVecConfig.layernorm_bias``, as the local norms).
+  is the stock trainable gamma under the stock name, marked an Input-Norm vector
+  (``scalevec_role``) for the optimizer's rules (IWD, the vectors' LR). A LayerNorm's
+  ``layer_norm_bias`` stays trainable (``ScaleVecConfig.layernorm_bias``, as the local norms).
 * sequential and shared experts: a ``TEColumnParallelLinear`` subclass; grouped experts:
   layers/te_grouped.py.
 * the MoE pre-norm (and the ``shared`` final norm): TE's LayerNorm or RMSNorm, scale-free
@@ -108,6 +109,9 @@ def freeze_scale_free(module: torch.nn.Module, weight: str, bias: str, config,
     the local norms do (norms.py): ``N(x) + beta`` before the folded branch vectors."""
     if not pre_norm_has_gamma(scalevec):
         _freeze(module, weight, 0.0 if config.layernorm_zero_centered_gamma else 1.0)
+    else:  # the Pre-Norm (or final norm) gamma: a plain Input-Norm vector (vectors.py)
+        getattr(module, weight).scalevec_role = "input"
+        getattr(module, weight).scalevec_part = "weight"
     if getattr(module, bias, None) is not None and scalevec.layernorm_bias != "stock":
         _freeze(module, bias, 0.0)
 

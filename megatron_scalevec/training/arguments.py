@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--layernorm-bias", default="stock", choices=("stock", "none"),
                    help="--normalization LayerNorm: keep megatron-core's LayerNorm biases, "
                         "added before the branch vectors (stock), or none")
+    g.add_argument("--vector-lr-mult", type=float, default=None,
+                   help="the scale vectors' peak and floor LR over --lr / --min-lr (default: "
+                        "the strategy's, docs/RESULTS.md)")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -233,6 +236,10 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         _need(a.scalevec in (None, "shared", "baseline"),
               f"--spec baseline is megatron-core's own layer spec (strategy 'shared'); for "
               f"--scalevec {a.scalevec!r} use --spec scalevec_dense or scalevec_moe")
+        _need(a.vector_lr_mult in (None, 1.0),
+              "--vector-lr-mult: --spec baseline is megatron-core's own layer spec, whose norms "
+              "are not marked as scale vectors; use --spec scalevec_dense --scalevec shared "
+              "(the same model)")
         a.scalevec = "shared"
     a.scalevec = a.scalevec or "unified"
     if a.spec == "scalevec_moe" and a.num_experts is None:
@@ -245,9 +252,10 @@ def parse_args(argv=None, world_size: int = 1) -> argparse.Namespace:
         a.scalevec_config = ScaleVecConfig.from_string(
             a.scalevec, scale_vector_weight_decay=a.scale_vector_weight_decay,
             decay_direction=a.decay_direction, expert_vectors=a.expert_vectors,
-            layernorm_bias=a.layernorm_bias)
+            layernorm_bias=a.layernorm_bias, vector_lr_mult=a.vector_lr_mult)
     except ValueError as e:
-        raise ArgumentError(f"--scalevec: {e}") from None
+        flag = "--vector-lr-mult" if "vector_lr_mult" in str(e) else "--scalevec"
+        raise ArgumentError(f"{flag}: {e}") from None
     if a.spec == "scalevec_dense":
         _need(not a.num_experts, "--spec scalevec_dense is dense: drop --num-experts or use "
                                  "--spec scalevec_moe")

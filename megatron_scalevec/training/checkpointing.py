@@ -120,7 +120,7 @@ def _models_sd(sd: dict) -> dict:
 
 
 def _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, is_loading,
-                with_rng=True, with_optim=True):
+                with_rng=True, with_optim=True, optim_meta=None):
     sd = _model_sd(model)
     if with_optim and optimizer is not None:
         sd["optimizer"] = optimizer.sharded_state_dict(_models_sd(sd), is_loading=is_loading,
@@ -129,12 +129,13 @@ def _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta
     if with_rng:
         sd["rng_state"] = _rng_object()
     sd.update(iteration=iteration, consumed_samples=consumed, scalevec=strategy,
-              checkpoint_version=CHECKPOINT_VERSION, layout=_layout(), model_meta=meta)
+              checkpoint_version=CHECKPOINT_VERSION, layout=_layout(), model_meta=meta,
+              optim_meta=dict(optim_meta or {}))
     return sd
 
 
 def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, strategy, meta,
-                    extra_files=None):
+                    extra_files=None, optim_meta=None):
     """Write ``root/iter_N`` through a temporary folder, add the checksum manifest, then
     publish it and ``latest``. ``extra_files`` ({name: bytes}, rank 0) go in with the tensors:
     the converter's ``scalevec_arch.json`` and the tokenizer (training/pretrained.py)."""
@@ -144,7 +145,8 @@ def save_checkpoint(root, iteration, model, optimizer, scheduler, consumed, stra
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    sd = _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, False)
+    sd = _state_dict(model, optimizer, scheduler, iteration, consumed, strategy, meta, False,
+                     optim_meta=optim_meta)
     dist_checkpointing.save(sd, tmp, validate_access_integrity=True)
     if _rank0():
         for name, data in (extra_files or {}).items():
@@ -251,6 +253,18 @@ def inspect_checkpoint(root, strategy, meta, verify=True):
     if mismatch:
         raise CheckpointError(mismatch)
     return path, manifest, common
+
+
+def check_vector_lr(path: str, common: dict, wanted: float) -> None:
+    """Refuse (one line) resuming optimizer state written at another vectors' LR multiplier:
+    megatron-core 0.16.1 would keep the checkpoint's per-group LR silently, 0.19.2 fail on a
+    param group it cannot pair. A checkpoint that records none trained its vectors at 1x."""
+    saved = float(common.get("optim_meta", {}).get("vector_lr_mult", 1.0))
+    if saved != wanted:
+        raise CheckpointError(
+            f"{path} trained its scale vectors at --vector-lr-mult {saved:g}, this run asks "
+            f"for {wanted:g}: pass --vector-lr-mult {saved:g} to resume, or --no-load-optim to "
+            f"start the optimizer afresh at {wanted:g}")
 
 
 # megatron-core's OptimizerParamScheduler.state_dict() keys -> the flag that sets each

@@ -173,6 +173,7 @@ class Trainer:
                                  f"--train-iters {a.train_iters}{stop} ({how})")
         if a.no_load_optim:
             return found, True, None
+        checkpointing.check_vector_lr(found[0], found[2], a.scalevec_config.vector_lr_mult)
         use, line = checkpointing.schedule_on_resume(
             found[0], found[2].get("opt_param_scheduler"), scheduler_values(a),
             a.override_opt_param_scheduler, a.use_checkpoint_opt_param_scheduler)
@@ -331,7 +332,9 @@ class Trainer:
             save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
                             self.scheduler, self.consumed,
                             self.args.scalevec_config.to_string(), self.meta,
-                            extra_files=checkpoint_files(self))
+                            extra_files=checkpoint_files(self),
+                            optim_meta=dict(
+                                vector_lr_mult=self.args.scalevec_config.vector_lr_mult))
         self.log.print(f"saved checkpoint iteration {self.iteration} to {self.args.save}")
 
     def _record(self, loss, gnorm, window, speed, evaluate):
