@@ -108,6 +108,13 @@ class Plan:
         self.runs: dict = {}  # key -> Run, in the order first asked for
         self.state: dict = {}
 
+    def iters(self, width: int) -> int:
+        return iters(self.a, width)
+
+    def final_loss(self, w, v, lr, m, seed):
+        """The final validation loss of that run, or None while it is unfinished."""
+        return final(self.root, make_run(self.a, w, v, lr, m, seed))
+
     def _points(self, w, v, pairs):
         """{(lr, mult): [tuning losses]} for ``pairs``, or None while any run is unfinished."""
         out, pending = {}, False

@@ -18,13 +18,11 @@ REF = "tuned LR, vectors x1"
 BEST = "best pair"
 
 
-def finals(a, root, w, v, lr, m) -> list:
+def finals(a, plan, w, v, lr, m) -> list:
     """[{seed, final}] of the comparison seeds that finished."""
-    from evidence.vector_lr import final, make_run  # noqa: PLC0415
-
     out = []
     for seed in range(1, a.seeds + 1):
-        got = final(root, make_run(a, w, v, lr, m, seed))
+        got = plan.final_loss(w, v, lr, m, seed)
         if got is not None:
             out.append(dict(seed=seed, final=got))
     return out
@@ -35,7 +33,7 @@ def rows(a, plan, root) -> list:
     table = []
     for w, v, label, lr, m in plan.comparison():
         table.append(dict(width=w, variant=v, label=label, lr=lr, mult=m,
-                          infos=finals(a, root, w, v, lr, m)))
+                          infos=finals(a, plan, w, v, lr, m)))
     by = {(r["width"], r["variant"], r["label"]): r for r in table}
     for r in table:
         w = r["width"]
@@ -68,16 +66,14 @@ def tuning_markdown(a, plan) -> str:
     head = ("| width | variant | iters | base-LR grid (vectors x1): loss | lr0 | multiplier grid "
             "at lr0: loss | refinement at m* | best pair (LR, mult) |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    from evidence.vector_lr import iters  # noqa: PLC0415
-
     for (w, v), st in plan.state.items():
         if "best" not in st:
-            lines.append(f"| {w} | {v} | {iters(a, w)} | (unfinished) |  |  |  |  |")
+            lines.append(f"| {w} | {v} | {plan.iters(w)} | (unfinished) |  |  |  |  |")
             continue
         refine = {k: ls for k, ls in st["pairs"].items() if k[0] != st["lr0"]}
         edge = {"low": " (low edge)", "high": " (high edge)"}
         lines.append(
-            f"| {w} | {v} | {iters(a, w)} | {_grid(st['lr_losses'])} | {st['lr0']:g}"
+            f"| {w} | {v} | {plan.iters(w)} | {_grid(st['lr_losses'])} | {st['lr0']:g}"
             f"{edge.get(st['lr_edge'], '')} | {_grid(st['m_losses'])}"
             f"{edge.get(st['m_edge'], '')} | "
             f"{_grid(refine, fmt=lambda k: f'LR {k[0]:g}')} | "
