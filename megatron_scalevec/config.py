@@ -280,10 +280,12 @@ def unsupported_with(options, scalevec: ScaleVecConfig) -> Optional[str]:
                 f"supported for {scalevec.to_string()}'s plain vectors in our norms and "
                 "linears: use an OR or ER parameterization, or shared on "
                 "--transformer-impl transformer_engine without --qk-layernorm (TE's norms)")
-    if zero_centered and scalevec.iwd:
+    if zero_centered and scalevec.iwd and scalevec.parameterization == "plain":
+        # TE's own norm weight, stored as gamma - 1: IWD's decay would pull gamma toward 1, not
+        # 0 (OR / ER decay their magnitude part, which zero-centring does not touch)
         return ("--apply-layernorm-1p (zero-centred gamma, stored as gamma - 1) is not "
-                "supported with IWD: its decay would pull gamma toward 1, not 0; drop iwd or "
-                "the flag")
+                "supported with IWD on plain vectors: its decay would pull gamma toward 1, "
+                "not 0; use an OR or ER parameterization, or drop iwd or the flag")
     if getattr(options, "apply_wd_to_qk_layernorm", False) and (scalevec.dnp or scalevec.iwd):
         return (f"--apply-wd-to-qk-layernorm is not supported with {scalevec.to_string()}: "
                 f"{'DNP' if scalevec.dnp else 'IWD'} decides the QK-norm's decay (an "

@@ -66,3 +66,20 @@ def test_vector_lr_mult_is_validated_resolved_and_recorded():
         assert ScaleVecConfig.from_dict(old).vector_lr_mult == 1.0
     seven = ScaleVecConfig.from_string("unified", vector_lr_mult=7)
     assert seven.vector_lr_mult == 7.0 and "vector_lr_mult=7.0" in seven.describe()
+
+
+@pytest.mark.parametrize("strategy,flags,refused", [
+    ("shared", dict(transformer_impl="local"), "plain vectors"),       # ours, gamma - 1 unknown
+    ("shared", dict(transformer_impl="transformer_engine"), None),     # TE's own norms honour it
+    ("shared+iwd", dict(transformer_impl="transformer_engine"), "IWD"),  # decay toward gamma 1
+    ("unified", dict(transformer_impl="transformer_engine"), None),    # OR decays its magnitude
+    ("hg+er+iwd", dict(transformer_impl="local"), None),
+])
+def test_zero_centred_gamma_refused_only_where_it_changes_the_model(strategy, flags, refused):
+    import types
+
+    from megatron_scalevec.config import unsupported_with
+
+    opts = types.SimpleNamespace(apply_layernorm_1p=True, **flags)
+    why = unsupported_with(opts, ScaleVecConfig.from_string(strategy))
+    assert (why is None) if refused is None else (refused in (why or "")), why

@@ -88,10 +88,20 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, keep):
     run = tmp_path / "run"
     flags = ["--save-interval", "2"] if keep == "--save-interval" else ["--no-save"]
     no_plot = [f for f in TINY if f not in ("--no-plot", "--quiet")]
-    proc = subprocess.Popen([sys.executable, SCRIPT, *no_plot, "--quiet", "--train-iters",
-                             "100000", "--log-interval", "1", "--run-dir", str(run), *flags],
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # as from a terminal: a test run started in the background of a script inherits SIGINT
+    # ignored, and an ignored signal stays ignored across exec (Python then installs no
+    # KeyboardInterrupt); a handled one is reset to the default, which Python turns into one
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, SCRIPT, *no_plot, "--quiet", "--train-iters",
+                                 "100000", "--log-interval", "1", "--run-dir", str(run), *flags],
+                                cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         metrics = run / "metrics.jsonl"
         _wait_for(metrics, lambda: len(metrics.read_text().splitlines()) >= 3, proc)

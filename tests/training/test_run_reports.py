@@ -58,7 +58,8 @@ def _rows(table: str) -> dict:
 def test_decay_table_states_what_each_rule_applies():
     plain = run_on_ranks(_table, 1, "hg+dp+er", None)[0]  # no IWD: vectors never decay
     assert "scale-vector wd" not in plain.splitlines()[0], plain
-    assert _rows(plain) == {"other_1d": 0.0, "matrices": 0.1}, plain
+    # megatron-core's own default (other_1d, matrices) after the vectors' own rule (their LR)
+    assert _rows(plain) == {"vectors": 0.0, "other_1d": 0.0, "matrices": 0.1}, plain
     iwd = _rows(run_on_ranks(_table, 1, "unified", 0.05)[0])
     assert iwd["input_vectors"] == 0.05 and iwd["matrices"] == 0.1, iwd
     assert iwd["output_vectors"] == iwd["input_directions"] == 0.0, iwd
