@@ -58,7 +58,13 @@ def pytest_sessionfinish(session, exitstatus):
     if not path or not _durations:
         return
     slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:30]
+    by_file: dict = {}
+    for nodeid, t in _durations.items():
+        by_file[nodeid.split("::")[0]] = by_file.get(nodeid.split("::")[0], 0.0) + t
     with open(path, "w") as f:
         f.write(f"# slowest 30 of {len(_durations)} tests; all together "
                 f"{sum(_durations.values()):.0f} s\n")
         f.writelines(f"{t:8.1f} s  {nodeid}\n" for nodeid, t in slowest)
+        f.write("# slowest 15 files\n")
+        f.writelines(f"{t:8.1f} s  {name}\n"
+                     for name, t in sorted(by_file.items(), key=lambda kv: -kv[1])[:15])

@@ -110,8 +110,17 @@ def strategy_of_spec(spec_tokens) -> Optional[ScaleVecConfig]:
 
 
 def refuse(message: str) -> None:
-    """One line on stderr and exit 2 (Megatron-LM's ranks all reach the same check)."""
+    """One line on stderr and exit 2 (Megatron-LM's ranks all reach the same check).
+
+    With ``torch.distributed`` up, the process leaves at once: interpreter shutdown with live
+    process groups can abort in C++ ("terminate called without an active exception", exit
+    -6 instead of 2), and a refusal comes before anything is written."""
+    import torch.distributed as dist  # noqa: PLC0415
+
     print(f"megatron_scalevec: {message}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        os._exit(2)
     raise SystemExit(2)
 
 
