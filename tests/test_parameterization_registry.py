@@ -142,9 +142,9 @@ def test_moe_parameter_count():
         assert moe_new_parameters(ScaleVecConfig.from_string(strategy), **shape)["total"] == built
 
 
-def _run(flags, run_dir):
-    return run_on_ranks(run_trainer, 1, TINY + ["--scalevec", STRATEGY, "--run-dir",
-                                                str(run_dir)] + flags, timeout=180)[0]
+def _run(flags, run_dir, world=1):
+    return run_on_ranks(run_trainer, world, TINY + ["--scalevec", STRATEGY, "--run-dir",
+                                                    str(run_dir)] + flags, timeout=180)[0]
 
 
 def _convert(rank, world, *args, **kw):
@@ -184,14 +184,20 @@ def _warm_refused(rank, world):
 
 
 def test_trains_resumes_converts(tmp_path):
-    """6 steps straight == 3 steps, exit, resume to 6; the monitor logs its statistic; the
-    checkpoint folds to stock and exports to HF exactly; stock warm-starts into it exactly."""
+    """6 steps straight == 3 steps, exit, resume to 6; TP2 + SP gives the same losses; the
+    monitor logs its statistic; the checkpoint folds to stock and exports to HF exactly; stock
+    warm-starts into it exactly."""
     j = functools.partial(os.path.join, str(tmp_path))
     common = ["--train-iters", "6", "--weight-decay", "0.1"]
     straight = _run(common + ["--no-save"], j("a"))
     first = _run(common + ["--exit-interval", "3", "--save", j("ck")], j("b"))
     second = _run(common + ["--load", j("ck"), "--save", j("ck")], j("b"))
     assert len(straight) == 6 and first + second == straight, (first, second, straight)
+    # TP2 + SP splits the DP output vectors (their parts sharded by the class's shapes)
+    split = _run(["--train-iters", "3", "--weight-decay", "0.1", "--no-save",
+                  "--tensor-model-parallel-size", "2", "--sequence-parallel"], j("tp2"), world=2)
+    assert len(split) == 3 and all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(split, straight)), \
+        (split, straight)
     last = json.loads(open(j("b", "metrics.jsonl")).read().splitlines()[-1])
     assert any(k.endswith(".scale_in.q/u_mean") for k in last), sorted(last)[:20]
     from megatron_scalevec.training.plotting import gamma_panels, read_metrics
