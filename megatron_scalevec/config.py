@@ -14,7 +14,9 @@ The strategy is a small set of independent switches (see SPEC.md):
 ``unified`` hg + dnp + or + iwd, the paper's recommended strategy
 ==========  =================================================================
 
-Readings the paper leaves open are fields here, never constants in the layers.
+``or`` and ``er`` are parameterizations: every registered parameterization's name is a token
+(parameterizations.py; ``plain``, the stock one, is the default and has none). Readings the
+paper leaves open are fields here, never constants in the layers.
 """
 
 from __future__ import annotations
@@ -32,7 +34,21 @@ PRESETS = {
 }
 EXPERT_VECTORS = ("per_expert", "shared")
 LAYERNORM_BIAS = ("stock", "none")
-TOKENS = ("shared", "none", "hg", "dp", "dnp", "or", "er", "iwd")
+SWITCHES = ("shared", "none", "hg", "dp", "dnp", "iwd")
+
+
+def _registry():
+    """parameterizations.py, imported on use: this module imports no torch of its own."""
+    from megatron_scalevec import parameterizations  # noqa: PLC0415
+
+    return parameterizations
+
+
+def strategy_tokens() -> tuple:
+    """The strategy string's tokens: the switches and every registered parameterization but
+    the stock one (the default)."""
+    reg = _registry()
+    return (*SWITCHES, *(n for n in reg.names() if not reg.get(n).stock))
 
 
 @dataclass(frozen=True)
@@ -44,12 +60,14 @@ class ScaleVecConfig:
         hg: per-branch input vectors (q, k, v, gate, up, router, per expert).
         dp: output-side vector after each branch projection (foldable).
         dnp: per-branch normalization, then an output-side vector (QK-norm style).
-        parameterization: ``plain``, ``or`` or ``er`` for every vector.
+        parameterization: a registered parameterization for every vector (``plain``, ``or``,
+            ``er``: parameterizations.py).
         iwd: individualized weight decay by role.
         scale_vector_weight_decay: decay for Input-Norm vectors; None = the matrices' value
             (and schedule); a value scales with the matrices' schedule (optim.py).
         dp_output_role: IWD role of DP's output vector (reading: ``input``, it is absorbable).
-        decay_direction: under OR/ER, also decay the direction part (reading: False).
+        decay_direction: under IWD also decay the parts a parameterization leaves undecayed
+            (OR's direction, ER's logit; reading: False).
         apply_mode: how vectors meet a linear layer: ``weight`` folds them into the
             effective weight (one GEMM), ``activation`` scales activations (works with
             any linear implementation, e.g. Transformer Engine), ``auto`` picks weight
@@ -93,11 +111,12 @@ class ScaleVecConfig:
         if self.dp and self.dnp:
             raise ValueError("ScaleVecConfig: 'dp' and 'dnp' conflict: both place an output-side "
                              "vector on the same branch; choose one")
-        if self.parameterization not in ("plain", "or", "er"):
-            raise ValueError(f"ScaleVecConfig.parameterization must be plain, or, er; "
-                             f"got {self.parameterization!r}")
+        known = _registry().names()
+        if self.parameterization not in known:
+            raise ValueError(f"ScaleVecConfig.parameterization must be one of "
+                             f"{', '.join(known)}; got {self.parameterization!r}")
         if not self.vectors and (self.hg or self.dp or self.dnp or self.iwd
-                                 or self.parameterization != "plain"):
+                                 or not self.stock_gamma):
             raise ValueError("ScaleVecConfig: 'none' removes every scale vector and cannot be "
                              f"combined with other variants (got {self.to_string()!r})")
         if self.dp_output_role not in ("input", "output"):
@@ -125,30 +144,31 @@ class ScaleVecConfig:
         """Parse ``"unified"``, ``"shared"``, ``"none"``, ``"hg+dnp+or+iwd"``, ``"hg+dp+er"``."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError("ScaleVecConfig.from_string: empty strategy string")
-        tokens = []
+        known, tokens = strategy_tokens(), []
         for raw in text.lower().replace(",", "+").split("+"):
             tok = raw.strip()
             if tok in PRESETS:
                 tokens.extend(PRESETS[tok].split("+"))
-            elif tok in TOKENS:
+            elif tok in known:
                 tokens.append(tok)
             else:
-                known = ", ".join(sorted(set(TOKENS) | set(PRESETS)))
+                names = ", ".join(sorted(set(known) | set(PRESETS)))
                 raise ValueError(f"unknown scale-vector variant {tok!r} in {text!r}; "
-                                 f"known: {known}")
+                                 f"known: {names}")
         if "none" in tokens and len(set(tokens)) > 1:
             raise ValueError(f"'none' removes every scale vector and conflicts with "
                              f"{sorted(set(tokens) - {'none'})} in {text!r}")
         if "shared" in tokens and "hg" in tokens:
             raise ValueError(f"'shared' (one gamma per norm) conflicts with 'hg' "
                              f"(one gamma per branch) in {text!r}")
-        if "or" in tokens and "er" in tokens:
-            raise ValueError(f"'or' and 'er' conflict in {text!r}: a vector has one "
-                             f"magnitude-direction parameterization")
+        params = [t for t in dict.fromkeys(tokens) if t not in SWITCHES]
+        if len(params) > 1:
+            raise ValueError(f"{' and '.join(map(repr, params))} conflict in {text!r}: a vector "
+                             f"has one parameterization")
         if "dp" in tokens and "dnp" in tokens:
             raise ValueError(f"'dp' and 'dnp' conflict in {text!r}: both place an output-side "
                              f"vector on the same branch; choose one")
-        param = "or" if "or" in tokens else "er" if "er" in tokens else "plain"
+        param = params[0] if params else _registry().stock_name()
         fields = dict(vectors="none" not in tokens, hg="hg" in tokens, dp="dp" in tokens,
                       dnp="dnp" in tokens, parameterization=param, iwd="iwd" in tokens)
         fields.update(overrides)
@@ -160,7 +180,7 @@ class ScaleVecConfig:
             return "none"
         parts = ["hg" if self.hg else "shared"]
         parts += [p for p, on in (("dp", self.dp), ("dnp", self.dnp)) if on]
-        if self.parameterization != "plain":
+        if not self.stock_gamma:
             parts.append(self.parameterization)
         if self.iwd:
             parts.append("iwd")
@@ -194,8 +214,13 @@ class ScaleVecConfig:
     @property
     def is_baseline(self) -> bool:
         """True when the model is computed exactly as megatron-core's stock layers."""
-        return self.vectors and not (self.hg or self.dp or self.dnp) and \
-            self.parameterization == "plain"
+        return self.vectors and not (self.hg or self.dp or self.dnp) and self.stock_gamma
+
+    @property
+    def stock_gamma(self) -> bool:
+        """True when every vector stores gamma as is, megatron-core's own norm weight (the
+        stock parameterization, ``plain``)."""
+        return _registry().get(self.parameterization).stock
 
     def resolve_apply_mode(self, local_linear: bool) -> str:
         if self.apply_mode != "auto":
@@ -272,22 +297,28 @@ def unsupported_with(options, scalevec: ScaleVecConfig) -> Optional[str]:
     zero_centered = (getattr(options, "layernorm_zero_centered_gamma", False)
                      or getattr(options, "apply_layernorm_1p", False))
     local = getattr(options, "transformer_impl", "local") == "local"
-    ours_plain = scalevec.vectors and scalevec.parameterization == "plain" and (
+    ours_plain = scalevec.vectors and scalevec.stock_gamma and (
         local or scalevec.hg or scalevec.dp or scalevec.dnp
         or getattr(options, "qk_layernorm", False))
     if zero_centered and ours_plain:
         return ("--apply-layernorm-1p (zero-centred gamma, stored as gamma - 1) is not "
                 f"supported for {scalevec.to_string()}'s plain vectors in our norms and "
-                "linears: use an OR or ER parameterization, or shared on "
+                f"linears: use another parameterization ({_others()}), or shared on "
                 "--transformer-impl transformer_engine without --qk-layernorm (TE's norms)")
-    if zero_centered and scalevec.iwd and scalevec.parameterization == "plain":
+    if zero_centered and scalevec.iwd and scalevec.stock_gamma:
         # TE's own norm weight, stored as gamma - 1: IWD's decay would pull gamma toward 1, not
-        # 0 (OR / ER decay their magnitude part, which zero-centring does not touch)
+        # 0 (another parameterization decays its own parts, which zero-centring does not touch)
         return ("--apply-layernorm-1p (zero-centred gamma, stored as gamma - 1) is not "
                 "supported with IWD on plain vectors: its decay would pull gamma toward 1, "
-                "not 0; use an OR or ER parameterization, or drop iwd or the flag")
+                f"not 0; use another parameterization ({_others()}), or drop iwd or the flag")
     if getattr(options, "apply_wd_to_qk_layernorm", False) and (scalevec.dnp or scalevec.iwd):
         return (f"--apply-wd-to-qk-layernorm is not supported with {scalevec.to_string()}: "
                 f"{'DNP' if scalevec.dnp else 'IWD'} decides the QK-norm's decay (an "
                 f"Output-Norm vector: none); drop the flag")
     return None
+
+
+def _others() -> str:
+    """The registered parameterizations other than the stock one, upper-cased for messages."""
+    reg = _registry()
+    return " or ".join(n.upper() for n in reg.names() if not reg.get(n).stock)

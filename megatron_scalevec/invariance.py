@@ -5,7 +5,8 @@ and up: FFN-width norms) is normalized. Scaling an input-side vector ``gamma`` o
 projections by ``c`` scales their outputs by ``c``, which the norm removes (up to its
 epsilon). Under OR (``gamma = beta * sqrt(m) * u / |u|``) or ER (``exp(alpha + ...)``) that
 scale is one parameter, ``beta`` or ``alpha``: it gets no gradient, while IWD, which decays
-Input-Norm vectors, shrinks it every step, ``beta_t = beta_0 * prod(1 - lr_t * wd)``, about
+Input-Norm vectors, shrinks it every step (each parameterization names its magnitude part,
+parameterizations.py), ``beta_t = beta_0 * prod(1 - lr_t * wd)``, about
 ``exp(-lr * wd * t)``. Harmless until ``beta^2 * mean(z^2)`` nears the norm's epsilon; with
 projections of unit scale, ``beta ~ sqrt(eps)``: at lr 3e-3, wd 0.1 and eps 1e-5 after about
 19k steps. :func:`invariant_magnitudes` names them; :func:`summary_line` says when epsilon
@@ -19,9 +20,6 @@ import math
 from torch import nn
 
 __all__ = ["invariant_magnitudes", "steps_until_epsilon", "summary_line"]
-
-_MAGNITUDES = ("magnitude", "alpha")
-
 
 def _normalized_inputs(module):
     """(prefix, scale_in) of the projection all of whose outputs ``module`` normalizes (an
@@ -52,9 +50,8 @@ def invariant_magnitudes(model: nn.Module) -> list:
             continue
         base = f"{prefix}.{found[0]}" if prefix else found[0]
         for branch, vec in found[1].items():
-            for part in _MAGNITUDES:
-                if getattr(vec, part, None) is not None:
-                    names.add(f"{base}scale_in.{branch}.{part}")
+            if vec.scheme is not None and vec.scheme.magnitude is not None:
+                names.add(f"{base}scale_in.{branch}.{vec.scheme.magnitude}")
     return sorted(names & registered)
 
 

@@ -1,16 +1,18 @@
 """Individualized weight decay (IWD) through megatron-core's optimizer parameter groups.
 
 The policy is a short ordered list of named rules; the first rule that matches a parameter
-decides its group. Rules read only ``scalevec_role`` / ``scalevec_part`` (vectors.py), the
-shape and the name, never a layer class:
+decides its group. Rules read only a vector part's marks (its role, its part and whether its
+parameterization decays that part: ``parameterizations.mark`` / ``part_decays``), the shape
+and the name, never a layer class:
 
 ==================  ===================================================  ================
 rule                matches                                               weight decay
 ==================  ===================================================  ================
-input_vectors       Input-Norm vector parts: plain ``weight``, OR         scale-vector wd
-                    ``magnitude``, ER ``alpha`` (+ direction/logit with
+input_vectors       Input-Norm vector parts that decay (plain ``weight``, scale-vector wd
+                    OR ``magnitude``, ER ``alpha``; every part with
                     ``decay_direction``)
-input_directions    the scale-invariant direction/logit of Input-Norm    none
+input_directions    the other Input-Norm parts (OR's direction, ER's     none
+                    logit: scale-invariant)
 output_vectors      every Output-Norm vector part                         none
 other_1d            any other 1-D parameter or bias (Megatron default)   none
 matrices            everything else (Megatron default)                    the matrices' wd
@@ -66,9 +68,8 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
-from megatron_scalevec import sharding
+from megatron_scalevec import parameterizations, sharding
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.vectors import DECAYED_PARTS
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,6 @@ def _role(p) -> Optional[str]:
     return getattr(p, "scalevec_role", None)
 
 
-def _part(p) -> Optional[str]:
-    return getattr(p, "scalevec_part", None)
-
-
 def _is_1d_or_bias(p, name: str) -> bool:
     return p.dim() == 1 or name.endswith(".bias")
 
@@ -110,16 +107,17 @@ def decay_rules(scalevec: ScaleVecConfig, weight_decay: float) -> list[DecayRule
     """The ordered rules for ``scalevec`` (first match wins)."""
     rules = []
     if scalevec.iwd:
-        decayed = set(DECAYED_PARTS)
-        if scalevec.decay_direction:
-            decayed |= {"direction", "logit"}
+        every_part = scalevec.decay_direction
+        decaying = every_part or any(
+            p.decays for p in parameterizations.get(scalevec.parameterization).parts)
         svwd = scalevec.scale_vector_weight_decay
         vec_override = vector_override(float(weight_decay), None if svwd is None else
                                        float(svwd))
         rules += [
             DecayRule("input_vectors",
-                      lambda p, n: _role(p) == "input" and _part(p) in decayed,
-                      vec_override, required=True, decays=True, vectors=True),
+                      lambda p, n: _role(p) == "input" and (
+                          every_part or parameterizations.part_decays(p)),
+                      vec_override, required=decaying, decays=True, vectors=True),
             DecayRule("input_directions", lambda p, n: _role(p) == "input", NO_DECAY,
                       vectors=True),
             DecayRule("output_vectors", lambda p, n: _role(p) == "output", NO_DECAY,

@@ -228,7 +228,7 @@ def get_scalevec_block_spec(config, scalevec: StrategyLike = "unified",
     specs = [moe if pattern[offset + i] else dense for i in range(n)]
     final = norm_spec(cfg, "final")
     if impl == "transformer_engine" and cfg.vectors and not cfg.hg and \
-            cfg.parameterization == "plain":  # shared: the stock TE final norm and its keys
+            cfg.stock_gamma:  # shared: the stock TE final norm and its keys
         final = te_norm_spec(cfg, config.normalization)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=final)
 

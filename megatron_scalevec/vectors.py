@@ -1,15 +1,12 @@
-"""One learnable scale vector, under each parameterization of SPEC.md.
+"""One learnable scale vector: its parameters, gamma and gradient, under any parameterization.
 
-=========  ==========================================  ========================  ==========
-name       gamma                                       parameters                at init
-=========  ==========================================  ========================  ==========
-plain      ``weight``                                  weight [m]                1
-or         ``beta * sqrt(m) * u / |u|``                magnitude [1], direction  1
-er         ``exp(alpha + v - mean(v))``                alpha [1], logit [m]      1
-=========  ==========================================  ========================  ==========
+What a parameterization is (its parts, gamma, inverse, which parts IWD decays) lives in
+parameterizations.py, one class each; a vector holds its parameterization's parts as its
+parameters, under the parts' names (``weight``; ``magnitude``, ``direction``; ``alpha``,
+``logit``).
 
-Each parameter carries ``scalevec_role`` (``input``/``output``, SPEC.md's IWD table) and
-``scalevec_part`` (which of the above it is); the optimizer rules read only these two.
+Each parameter is marked (``parameterizations.mark``) with its role (``input``/``output``,
+SPEC.md's IWD table), its part and its parameterization; the optimizer rules read only these.
 Norms and means run over the whole logical vector even when it is split across ranks.
 
 A vector's value is read one way: its module call without input, ``vec()`` (a norm too:
@@ -30,10 +27,7 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
-from megatron_scalevec import sharding, steps
-
-PARTS = {"plain": ("weight",), "or": ("magnitude", "direction"), "er": ("alpha", "logit")}
-DECAYED_PARTS = {"weight", "magnitude", "alpha"}  # the direction parts are scale-invariant
+from megatron_scalevec import parameterizations, sharding, steps
 
 
 class ScaleVector(nn.Module):
@@ -41,7 +35,8 @@ class ScaleVector(nn.Module):
 
     Args:
         size: local length.
-        parameterization: ``plain``, ``or``, ``er``, or ``None`` for no parameters (gamma = 1).
+        parameterization: a registered name (parameterizations.py), or ``None`` for no
+            parameters (gamma = 1).
         role: ``input`` or ``output`` (IWD).
         tp_group: the tensor-parallel group of the layer that owns the vector.
         split: True when the vector is split along ``tp_group`` (else replicated on it).
@@ -64,36 +59,33 @@ class ScaleVector(nn.Module):
         self.global_size = size * sharding.group_size(self.split_group)
         self._steps: dict = {}  # once-per-step values, by the vectors read together (_value)
         self._once: Optional[tuple] = None  # (gamma,) inside computed_once()
-        if parameterization is None:
-            return
-        if parameterization not in PARTS:
-            raise ValueError(f"unknown parameterization {parameterization!r}")
-        init = {"weight": 1.0, "magnitude": 1.0, "direction": 1.0, "alpha": 0.0, "logit": 0.0}
-        for part in PARTS[parameterization]:
-            shape = (1,) if part in ("magnitude", "alpha") else (size,)
-            p = nn.Parameter(torch.full(shape, init[part], dtype=dtype))
-            p.scalevec_role = role
-            p.scalevec_part = part
-            split_part = self.split_group is not None and shape != (1,)
+        self.scheme = None if parameterization is None else parameterizations.get(parameterization)
+        for part in self._parts():
+            p = nn.Parameter(torch.full((1,) if part.scalar else (size,), part.init, dtype=dtype))
+            parameterizations.mark(p, parameterization, part.name, role)
+            split_part = self.split_group is not None and not part.scalar
             if split_part:
                 sharding.mark_split(p)
             if expert_allreduce is not None:
                 sharding.mark_expert(p, expert_allreduce, tp_group=tp_group, split=split_part)
-            self.register_parameter(part, p)
+            self.register_parameter(part.name, p)
 
     @property
     def enabled(self) -> bool:
         return self.parameterization is not None
 
     def vector_parameters(self) -> list:
-        """The vector's own parameters (its parts), in PARTS order: a subclass may own others
-        (a norm's LayerNorm bias, norms.py), which are not part of gamma."""
-        return [getattr(self, part) for part in PARTS.get(self.parameterization, ())]
+        """The vector's own parameters (its parts, in its parameterization's order): a subclass
+        may own others (a norm's LayerNorm bias, norms.py), which are not part of gamma."""
+        return [getattr(self, part.name) for part in self._parts()]
+
+    def _parts(self) -> tuple:
+        return self.scheme.parts if self.scheme is not None else ()
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
-            for part, p in zip(PARTS.get(self.parameterization, ()), self.vector_parameters()):
-                p.fill_(0.0 if part in ("alpha", "logit") else 1.0)
+            for part in self._parts():
+                getattr(self, part.name).fill_(part.init)
 
     @contextlib.contextmanager
     def computed_once(self):
@@ -114,28 +106,33 @@ class ScaleVector(nn.Module):
             return self._once[0]
         if self.parameterization is None:
             return None
-        return _value([self], lambda: _gamma(self, lambda part: getattr(self, part).float()))
+        return _value([self], lambda: self.scheme.gamma(
+            lambda part: getattr(self, part).float(), self))
+
+    def outside_domain(self, gamma: torch.Tensor) -> Optional[str]:
+        """Why :meth:`set_from_gamma` cannot represent ``gamma`` (its parameterization's domain,
+        how many entries lie outside it, the smallest), or None."""
+        bad = self.scheme.outside_domain(gamma) if self.scheme is not None else None
+        if bad is None or not bool(bad.any()):
+            return None
+        n = int(bad.sum())
+        return (f"{self.parameterization.upper()} parameterization needs {self.scheme.domain}, "
+                f"but {n} entr{'y' if n == 1 else 'ies'} lie outside it (min "
+                f"{float(gamma.min()):.4g})")
 
     @torch.no_grad()
     def set_from_gamma(self, gamma: torch.Tensor) -> None:
-        """Set parameters so that forward() returns ``gamma`` (the local shard), exactly for
-        plain and OR, and for ER where gamma > 0. Used by conversion and tests."""
-        gamma = gamma.to(torch.float32)
-        if self.parameterization == "plain":
-            self.weight.copy_(gamma)
-        elif self.parameterization == "or":
-            sq = sharding.all_reduce_sum(gamma.pow(2).sum(), self.split_group)
-            self.direction.copy_(gamma)
-            self.magnitude.fill_(float(torch.sqrt(sq / self.global_size)))
-        elif self.parameterization == "er":
-            if bool((gamma <= 0).any()):
-                raise ValueError("ER needs gamma > 0 everywhere to take its logarithm")
-            log = gamma.log()
-            mean = sharding.all_reduce_sum(log.sum(), self.split_group) / self.global_size
-            self.logit.copy_(log - mean)
-            self.alpha.fill_(float(mean))
-        else:
+        """Set parameters so that forward() returns ``gamma`` (the local shard): its
+        parameterization's inverse, exact where ``gamma`` lies in its domain (ER: gamma > 0).
+        Used by conversion and tests."""
+        if self.scheme is None:
             raise ValueError("cannot set a vector that has no parameters")
+        gamma = gamma.to(torch.float32)
+        why = self.outside_domain(gamma)
+        if why:
+            raise ValueError(why)
+        for name, value in self.scheme.inverse(gamma, self).items():
+            getattr(self, name).copy_(value)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Split parts are sharded along axis 0 of their split group; scalars replicated."""
@@ -143,7 +140,7 @@ class ScaleVector(nn.Module):
 
         axis_map = {}
         if self.split_group is not None:
-            axis_map = {n: 0 for n in ("weight", "direction", "logit")}
+            axis_map = {p.name: 0 for p in self._parts() if not p.scalar}
         tp = self.tp_group if self.tp_group is not None else sharding.tp_group(False)
         dp_cp = (metadata or {}).get("dp_cp_group")
         if dp_cp is None:
@@ -157,70 +154,6 @@ class ScaleVector(nn.Module):
                 f"parameterization={self.parameterization}, role={self.role}")
 
 
-def _gamma(v0: ScaleVector, part) -> torch.Tensor:
-    """The table in the module doc over the last dim, for one vector ([m] parts, scalars [1])
-    or k alike ones stacked ([k, m], [k, 1]); ``part(name)`` gives the float32 tensor. Norms
-    and means run over the whole logical vector (split: :class:`_Magnitude` /
-    :class:`_Exponential`)."""
-    kind = v0.parameterization
-    if kind == "plain":
-        gamma = part("weight")
-    elif kind == "or":
-        gamma = _Magnitude.apply(part("direction"), part("magnitude"), v0.split_group,
-                                 v0.global_size)
-    else:
-        gamma = _Exponential.apply(part("logit"), part("alpha"), v0.split_group,
-                                   v0.global_size)
-    return gamma  # partial over v0.grad_group: summed there by _value
-
-
-class _Magnitude(torch.autograd.Function):
-    """OR: ``gamma = beta * u * rsqrt(mean(u^2))`` (``sqrt(m) / |u|``, exactly 1 at init), the
-    mean over the whole vector. Written out so that a split vector needs one collective each
-    way: the sum of squares forward, ``t = sum(g * u)`` backward (``beta`` is shared by the
-    split's ranks: ``d beta = t * r`` on each)."""
-
-    @staticmethod
-    def forward(ctx, u, beta, group, m):
-        r = torch.rsqrt(sharding.sum_in_place(u.pow(2).sum(-1, keepdim=True), group) / m)
-        ctx.save_for_backward(u, beta, r)
-        ctx.group, ctx.m, ctx.t = group, m, None
-        return beta * u * r
-
-    @staticmethod
-    def backward(ctx, g):
-        u, beta, r = ctx.saved_tensors
-        t = ctx.t if ctx.t is not None else sharding.sum_in_place(_partial(ctx, g), ctx.group)
-        return beta * r * (g - (r * r * t / ctx.m) * u), t * r, None, None
-
-
-def _partial(ctx, g) -> torch.Tensor:
-    """This rank's part of the backward statistic ``t`` of :class:`_Magnitude` (``sum(g * u)``)
-    or :class:`_Exponential` (``sum(g * gamma)``): the tensor each saved first, [..., 1]."""
-    return (g * ctx.saved_tensors[0]).sum(-1, keepdim=True)
-
-
-class _Exponential(torch.autograd.Function):
-    """ER: ``gamma = exp(alpha + v - mean(v))``, the mean over the whole vector; one collective
-    each way when split (``sum(v)``; ``t = sum(g * gamma)``, which is ``d alpha``)."""
-
-    @staticmethod
-    def forward(ctx, v, alpha, group, m):
-        mean = sharding.sum_in_place(v.sum(-1, keepdim=True), group) / m
-        gamma = torch.exp(alpha + v - mean)
-        ctx.save_for_backward(gamma)
-        ctx.group, ctx.m, ctx.t = group, m, None
-        return gamma
-
-    @staticmethod
-    def backward(ctx, g):
-        (gamma,) = ctx.saved_tensors
-        h = g * gamma
-        t = ctx.t if ctx.t is not None else sharding.sum_in_place(h.sum(-1, keepdim=True),
-                                                                     ctx.group)
-        return h - t / ctx.m, t, None, None
-
-
 def stacked(vectors: list) -> torch.Tensor:
     """[k, m] float32: the gamma of k alike vectors (same parameterization, sizes, groups) as
     one batched operation, with the same split statistics and gradient reduction as one by
@@ -230,8 +163,8 @@ def stacked(vectors: list) -> torch.Tensor:
     if any(v._once is not None for v in vectors):
         return torch.stack([v() for v in vectors])
     sharding.ready(vectors)
-    return _value(vectors, lambda: _gamma(vectors[0], lambda name: torch.stack(
-        [getattr(v, name).float() for v in vectors])))
+    return _value(vectors, lambda: vectors[0].scheme.gamma(lambda name: torch.stack(
+        [getattr(v, name).float() for v in vectors]), vectors[0]))
 
 
 # ------------------------------------------------- a vector's value and gradient, once per step
@@ -311,10 +244,10 @@ _CLOSING: list = []  # the steps whose last micro-batch's backward is running
 
 def _close() -> None:
     """Close the step of every vector whose last backward just ran: the leaves' gradients (the
-    step's sum) are summed over their groups and the split vectors' backward statistics
-    (:class:`_Magnitude`, :class:`_Exponential`) over their split groups, one collective per
-    group for all of them, then mapped through each gamma's backward (OR / ER transform) onto
-    the parameters, where megatron-core's DDP hooks take them as any gradient
+    step's sum) are summed over their groups and the split vectors' backward statistics (OR's
+    and ER's, parameterizations.py) over their split groups, one collective per group for all
+    of them, then mapped through each gamma's backward (its parameterization's) onto the
+    parameters, where megatron-core's DDP hooks take them as any gradient
     (``grad_added_to_main_grad`` cleared)."""
     states = [s for s in _CLOSING if s.gamma is not None and s.leaf.grad is not None]
     _CLOSING.clear()
@@ -328,11 +261,11 @@ def _close() -> None:
         if s.group is not None:
             rounds[0].setdefault(s.group, []).append(g)
     stats = [(s.gamma.grad_fn, g, int(s.group is not None)) for s, g in zip(states, grads)
-             if getattr(s.gamma.grad_fn, "t", False) is None]  # _Magnitude / _Exponential
+             if getattr(s.gamma.grad_fn, "t", False) is None]  # OR / ER (parameterizations.py)
     for i, groups in enumerate(rounds):
         for fn, g, r in stats:
             if r == i and fn.group is not None:
-                fn.t = _partial(fn, g)
+                fn.t = parameterizations.partial_statistic(fn, g)
                 groups.setdefault(fn.group, []).append(fn.t)
         for group, tensors in groups.items():  # the same order on every rank of a group
             sharding.sum_coalesced(tensors, group)

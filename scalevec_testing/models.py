@@ -408,7 +408,18 @@ def saved_mismatches(rank, world, ref_dir, out_dir, base_dir, rtol) -> tuple:
     return relative_mismatches(ref, out, rtol=rtol, base=base), sorted(ref)
 
 
-_SIBLING = {".magnitude": ".direction", ".alpha": ".logit"}
+def magnitude_siblings() -> dict:
+    """{".<magnitude part>": ".<its vector part>"} of every registered parameterization with a
+    magnitude (OR: magnitude -> direction, ER: alpha -> logit)."""
+    from megatron_scalevec import parameterizations
+
+    out = {}
+    for name in parameterizations.names():
+        p = parameterizations.get(name)
+        vector = [q.name for q in p.parts if not q.scalar]
+        if p.magnitude is not None and vector:
+            out[f".{p.magnitude}"] = f".{vector[0]}"
+    return out
 
 
 def relative_differences(ref: dict, other: dict) -> dict:
@@ -416,9 +427,10 @@ def relative_differences(ref: dict, other: dict) -> dict:
     with heavy cancellation (its value can be 1e-3 of its terms): it is measured against the
     scale of its own vector's gradient (direction / logit), the size of the terms it sums."""
     out = {}
+    siblings = magnitude_siblings()
     for k in ref:
         scale = float(ref[k].float().abs().max())
-        for end, sibling in _SIBLING.items():
+        for end, sibling in siblings.items():
             if k.endswith(end) and k[:-len(end)] + sibling in ref:
                 scale = max(scale, float(ref[k[:-len(end)] + sibling].float().abs().max()))
         diff = float((ref[k].float() - other[k].float()).abs().max())

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_scalevec import ScaleVecConfig
 from megatron_scalevec.invariance import invariant_magnitudes, steps_until_epsilon, summary_line
-from megatron_scalevec.vectors import DECAYED_PARTS
+from megatron_scalevec.parameterizations import part_decays
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
 
@@ -26,7 +26,7 @@ def _grads(rank, world, overrides, strategy, sv):
     named = dict(model.named_parameters())
     return (invariant_magnitudes(model),
             {n: float(p.grad.abs().max()) for n, p in named.items() if p.grad is not None},
-            {n: (p.scalevec_role, p.scalevec_part) for n, p in named.items()
+            {n: (p.scalevec_role, p.scalevec_part, part_decays(p)) for n, p in named.items()
              if hasattr(p, "scalevec_part")})
 
 
@@ -38,14 +38,14 @@ def _grads(rank, world, overrides, strategy, sv):
 def test_dnp_input_magnitudes_get_no_gradient_and_decay(kind, strategy, sv):
     overrides = {"dense": {}, "moe": MOE, "moe_grouped": dict(MOE, moe_grouped_gemm=True)}[kind]
     names, grads, parts = run_on_ranks(_grads, 1, overrides, strategy, sv)[0]
-    magnitudes = [n for n, (_, part) in parts.items() if part in ("magnitude", "alpha")]
+    magnitudes = [n for n, (_, part, _) in parts.items() if part in ("magnitude", "alpha")]
     others = [n for n in magnitudes if n not in names]
     assert names and others, (names, magnitudes)
     typical = max(grads[n] for n in others)  # q_norm's, the router's, ...: a real gradient
     for n in names:
         assert grads.get(n, 0.0) <= 1e-6 * typical, (n, grads.get(n), typical)
-        role, part = parts[n]
-        assert role == "input" and part in DECAYED_PARTS, (n, role, part)  # IWD decays it
+        role, part, decays = parts[n]
+        assert role == "input" and decays, (n, role, part)  # IWD decays it
     assert any(grads[n] > 1e-4 * typical for n in others if "scale_in" in n or "norm" in n)
     assert any(".linear_qkv.scale_in." in n for n in names)
     assert any(".linear_fc1.scale_in." in n or "shared_vectors.scale_in." in n for n in names)

@@ -50,6 +50,7 @@ def compare(strategy: str, config_kw: dict, device: str, dtype) -> dict:
     grouped run's worst tensor over the sequential run's worst (per tensor the two runs' errors
     scatter around bf16's rounding, so a per-tensor ratio is noise)."""
     from megatron_scalevec.config import ScaleVecConfig
+    from scalevec_testing import models as M
 
     cfg = ScaleVecConfig.from_string(strategy)
     (y0, l0, g0, state), (y1, l1, g1, _) = [_run(cfg, config_kw, grouped, device, dtype)
@@ -61,8 +62,10 @@ def compare(strategy: str, config_kw: dict, device: str, dtype) -> dict:
     def rel(a, b, scale=0.0):
         return float((a - b).abs().max()) / max(float(a.abs().max()), scale, 1e-30)
 
+    siblings = M.magnitude_siblings()
+
     def grad_rel(n, a, b):  # OR magnitude / ER alpha: at the scale of their vector's gradient
-        sib = n.replace(".magnitude", ".direction").replace(".alpha", ".logit")
+        sib = next((n[:-len(m)] + v for m, v in siblings.items() if n.endswith(m)), n)
         return rel(a[n], b[n], float(a[sib].abs().max()) if sib in a else 0.0)
 
     if set(g0) != set(g1):

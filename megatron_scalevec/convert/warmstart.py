@@ -18,16 +18,17 @@ adds it before the branch vectors: ``gamma * N(x) + beta = gamma * (N(x) + beta 
 gamma with zeros is refused, naming the layer).
 
 DP output vectors start at 1. Every vector is set with ``ScaleVector.set_from_gamma``, so OR
-gets ``beta = |gamma| / sqrt(m)``, ``u = gamma`` and ER needs gamma > 0 (else an error naming
-the layer). DNP adds normalizations the source does not have: refused unless
-``allow_function_change``; then its output vectors start at 1 and the report carries the
-logit difference on a sample batch.
+gets ``beta = |gamma| / sqrt(m)``, ``u = gamma`` and ER needs gamma > 0 (a parameterization's
+``domain``; else an error naming the layer). DNP adds normalizations the source does not have:
+refused unless ``allow_function_change``; then its output vectors start at 1 and the report
+carries the logit difference on a sample batch.
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_scalevec import parameterizations
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.convert.arch import ModelArch
 from megatron_scalevec.convert.build import build_model, logits, sample_batch
@@ -50,13 +51,17 @@ def dnp_branches(target: ScaleVecConfig, arch: ModelArch) -> list[str]:
 
 
 def _set_vector(vec, gamma: torch.Tensor, where: str, source_key: str) -> None:
-    if vec.parameterization == "er" and bool((gamma <= 0).any()):
-        bad = int((gamma <= 0).sum())
-        raise ValueError(
-            f"{where}: ER parameterization needs gamma > 0, but {source_key} has {bad} "
-            f"entr{'y' if bad == 1 else 'ies'} <= 0 (min {float(gamma.min()):.4g}); use the "
-            f"plain or OR parameterization for this checkpoint")
+    why = vec.outside_domain(gamma.to(torch.float32))  # its parameterization's (ER: gamma > 0)
+    if why:
+        raise ValueError(f"{where}: {why} in {source_key}; use a parameterization whose "
+                         f"inverse takes every gamma ({_total()}) for this checkpoint")
     vec.set_from_gamma(gamma.to(torch.float32))
+
+
+def _total() -> str:
+    """The registered parameterizations that can represent any gamma, for messages."""
+    found = [parameterizations.get(n) for n in parameterizations.names()]
+    return " or ".join(p.name if p.stock else p.name.upper() for p in found if p.domain is None)
 
 
 def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,

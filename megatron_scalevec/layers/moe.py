@@ -32,14 +32,15 @@ Parameter count
 ---------------
 New parameters relative to megatron-core's own (``shared``) layers, per MoE layer, with ``h``
 the hidden size, ``E`` experts, ``f`` the expert FFN width, ``f_s`` the shared-expert width
-(0 without), ``G = 2`` branches for a gated MLP (1 otherwise), ``s = 1`` under OR/ER (a scalar
-per vector) else 0, ``[.]`` 1 when the variant is on::
+(0 without), ``G = 2`` branches for a gated MLP (1 otherwise), ``n(m)`` the parameters of one
+vector of length ``m`` under the strategy's parameterization (``m``; ``m + 1`` under OR / ER:
+``Parameterization.numel``), ``[.]`` 1 when the variant is on::
 
-    router   [hg] (h + s)
-    experts  E' * ( [hg] G (h + s) + [dp or dnp] G (f + s) )
+    router   [hg] n(h)
+    experts  E' * ( [hg] G n(h) + [dp or dnp] G n(f) )
              E' = E (expert_vectors='per_expert') or 1 ('shared')
-    shared   [f_s > 0] ( [hg] G (h + s) + [dp or dnp] G (f_s + s) )
-    pre-norm [hg] (-h)      (its gamma moved into the branches); [shared and or/er] (+s)
+    shared   [f_s > 0] ( [hg] G n(h) + [dp or dnp] G n(f_s) )
+    pre-norm [hg] (-h)      (its gamma moved into the branches); [shared] (n(h) - h)
 
 Per expert, the fraction of its 3hf (gated) weights is about 2/(3f) + 2/(3h) for HG+DNP, which
 does not shrink with the number of experts (2.05e-3 of a 64-expert, f=384, 2.1B model);
@@ -59,7 +60,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-from megatron_scalevec import sharding
+from megatron_scalevec import parameterizations, sharding
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers.expert_vectors import shared_expert_vectors
@@ -183,27 +184,27 @@ def moe_new_parameters(cfg: ScaleVecConfig, *, num_layers: int, hidden: int, hea
     (default: all MoE). Without ``qk_layernorm``. Reads ``cfg.expert_vectors``."""
     if not cfg.vectors:  # `none` removes every gamma: 2 per layer and the final one
         return {"total": -(2 * num_layers + 1) * hidden}
-    s = 1 if cfg.parameterization != "plain" else 0
+    n = parameterizations.get(cfg.parameterization).numel  # one vector's parameters
     g = 2 if gated else 1
     out_vec = cfg.dp or cfg.dnp
 
     def branch_mlp(width):
-        return (g * (hidden + s) if cfg.hg else 0) + (g * (width + s) if out_vec else 0)
+        return (g * n(hidden) if cfg.hg else 0) + (g * n(width) if out_vec else 0)
 
     def pre_norm():
-        return -hidden if cfg.hg else s
+        return -hidden if cfg.hg else n(hidden) - hidden
 
     pattern = moe_layers if moe_layers is not None else [1] * num_layers
     # q/k/v output vectors are R^head_dim, shared across heads.
-    attention = (3 * (hidden + s) if cfg.hg else 0) + (3 * (head_dim + s) if out_vec else 0)
-    parts = {"attention": num_layers * (attention + pre_norm()), "final_norm": s,
+    attention = (3 * n(hidden) if cfg.hg else 0) + (3 * n(head_dim) if out_vec else 0)
+    parts = {"attention": num_layers * (attention + pre_norm()), "final_norm": n(hidden) - hidden,
              "router": 0, "experts": 0, "shared_experts": 0, "dense_mlp": 0}
     for is_moe in pattern:
         parts["dense_mlp" if not is_moe else "experts"] += pre_norm()
         if not is_moe:
             parts["dense_mlp"] += branch_mlp(ffn)
             continue
-        parts["router"] += (hidden + s) if cfg.hg else 0
+        parts["router"] += n(hidden) if cfg.hg else 0
         copies = 1 if cfg.expert_vectors == "shared" else num_experts
         parts["experts"] += copies * branch_mlp(moe_ffn)
         parts["shared_experts"] += branch_mlp(shared_ffn) if shared_ffn else 0

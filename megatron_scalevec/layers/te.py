@@ -12,7 +12,7 @@ module's own FP8 weight quantizer. So the fused QKV / fc1 GEMM runs once, and TE
   HG (and ``none``) its ``layer_norm_weight`` is frozen at identity (1, or 0 under
   ``layernorm_zero_centered_gamma``): not trained, not decayed, not saved. Under ``shared`` it
   is the stock trainable gamma under the stock name, marked an Input-Norm vector
-  (``scalevec_role``) for the optimizer's rules (IWD, the vectors' LR). A LayerNorm's
+  (``parameterizations.mark``) for the optimizer's rules (IWD, the vectors' LR). A LayerNorm's
   ``layer_norm_bias`` stays trainable (``ScaleVecConfig.layernorm_bias``, as the local norms).
 * sequential and shared experts: a ``TEColumnParallelLinear`` subclass; grouped experts:
   layers/te_grouped.py.
@@ -47,7 +47,7 @@ import sys
 
 import torch
 
-from megatron_scalevec import sharding
+from megatron_scalevec import parameterizations, sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import fold
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
@@ -109,9 +109,10 @@ def freeze_scale_free(module: torch.nn.Module, weight: str, bias: str, config,
     the local norms do (norms.py): ``N(x) + beta`` before the folded branch vectors."""
     if not pre_norm_has_gamma(scalevec):
         _freeze(module, weight, 0.0 if config.layernorm_zero_centered_gamma else 1.0)
-    else:  # the Pre-Norm (or final norm) gamma: a plain Input-Norm vector (vectors.py)
-        getattr(module, weight).scalevec_role = "input"
-        getattr(module, weight).scalevec_part = "weight"
+    else:  # the Pre-Norm (or final norm) gamma: a stock (plain) Input-Norm vector
+        stock = parameterizations.stock_name()
+        parameterizations.mark(getattr(module, weight), stock,
+                               parameterizations.get(stock).parts[0].name, "input")
     if getattr(module, bias, None) is not None and scalevec.layernorm_bias != "stock":
         _freeze(module, bias, 0.0)
 

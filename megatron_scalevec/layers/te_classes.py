@@ -37,10 +37,11 @@ class ScaleVecTELayerNormColumnParallelLinear(FoldedTELinear, ext.TELayerNormCol
 
     def __init__(self, input_size, output_size, *, scalevec: ScaleVecConfig, branches: str,
                  config, **kwargs):
-        if scalevec.vectors and not scalevec.hg and scalevec.parameterization != "plain":
+        if scalevec.vectors and not scalevec.hg and not scalevec.stock_gamma:
             raise NotImplementedError(
                 f"{scalevec.to_string()} under TE: the fused norm's gamma is a plain TE "
-                "parameter; use the local path for OR / ER on a shared gamma")
+                f"parameter; use the local path for {scalevec.parameterization.upper()} on a "
+                "shared gamma")
         super().__init__(input_size, output_size, config=config, **kwargs)
         self._init_folded(scalevec, branches, config, input_size, output_size, False)
         freeze_scale_free(self, "layer_norm_weight", "layer_norm_bias", config, scalevec)

@@ -1,5 +1,6 @@
 """Training logs: console line, ``metrics.jsonl`` in the run dir, TensorBoard when installed,
-and scale-vector statistics (vector norms, OR magnitude beta, the conservation quantity).
+and scale-vector statistics (vector norms, each parameterization's own statistics such as OR's
+magnitude beta: ``Parameterization.statistics``, the conservation quantity).
 
 Conservation (SPEC.md): with gamma = 1 and small W at init, ``gamma_j^2 - ||w_j||^2`` stays
 constant along gradient flow, ``w_j`` being column j of the matrix the vector feeds. We log its
@@ -42,7 +43,8 @@ def _col_sq_norm(linear, branch=None) -> torch.Tensor:
 
 @torch.no_grad()
 def scale_vector_stats(model) -> dict:
-    """{"sv/<path>/norm", "sv/<path>/beta", "sv/<path>/conservation"} for this rank's vectors
+    """{"sv/<path>/norm", "sv/<path>/<statistic>" (its parameterization's: OR's "beta"),
+    "sv/<path>/conservation"} for this rank's vectors
     (pipeline stage and expert shard; split vectors are reduced over their group). Each vector
     is read through its module call (megatron-core's DDP hooks: an overlapped parameter gather
     is waited for); every value stays on the device until one host read for all of them."""
@@ -69,8 +71,8 @@ def scale_vector_stats(model) -> dict:
             gamma = vec().detach().float()  # its call: DDP's pre-hooks run first
             sq = sharding.all_reduce_sum(gamma.pow(2).sum(), vec.split_group)
             stats[f"{key}/norm"] = sq.sqrt()
-            if vec.parameterization == "or":
-                stats[f"{key}/beta"] = vec.magnitude.detach().float().reshape(())
+            for stat, value in vec.scheme.statistics(vec).items():
+                stats[f"{key}/{stat}"] = value
             if id(vec) in feeds and vec.split_group is None:
                 linear, branch = feeds[id(vec)]
                 try:

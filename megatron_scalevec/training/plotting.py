@@ -145,11 +145,15 @@ def plot_gamma(run_dirs, out_png: str):
     over layers and experts, their spread shaded), a line style per run; each row's legend
     outside its panels."""
     plt = _plt()
-    data = [(os.path.basename(os.path.normpath(r)), {s: gamma_panels(read_metrics(r), s)
-                                                     for s, _ in _STATS}) for r in run_dirs]
+    runs = [(os.path.basename(os.path.normpath(r)), read_metrics(r)) for r in run_dirs]
+    # a parameterization's own statistics (Parameterization.statistics) after the known ones
+    found = {k.rsplit("/", 1)[1] for _, recs in runs for r in recs for k in r
+             if k.startswith("sv/")}
+    every = list(_STATS) + [(s, s) for s in sorted(found - {s for s, _ in _STATS})]
+    data = [(name, {s: gamma_panels(recs, s) for s, _ in every}) for name, recs in runs]
     order = [k for k, _ in _KINDS] + ["other"]
-    kinds = [k for k in order if any(k in p[s] for _, p in data for s, _ in _STATS)]
-    stats = [(s, t) for s, t in _STATS if any(p[s] for _, p in data)]
+    kinds = [k for k in order if any(k in p[s] for _, p in data for s, _ in every)]
+    stats = [(s, t) for s, t in every if any(p[s] for _, p in data)]
     if not kinds:
         kinds, stats = ["no scale-vector statistics logged"], _STATS[:1]
     fig, axes = plt.subplots(len(kinds), len(stats), squeeze=False, layout="constrained",
