@@ -17,7 +17,6 @@ bodies whose shapes are the weights' (a few per model, never a token count).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import warnings
@@ -29,7 +28,6 @@ ENV = "MEGATRON_SCALEVEC_FUSED_COMPILE"
 MODES = ("auto", "on", "off")
 _mode = os.environ.get(ENV, "auto")
 _eager = False  # auto found no working compiler: eager for good
-_around_bodies = contextlib.nullcontext  # what each compiled body runs inside
 
 
 def set_mode(mode: str) -> None:
@@ -49,11 +47,16 @@ def _check(value: str, what: str) -> None:
 
 
 def run_bodies_inside(context) -> None:
-    """Run every compiled body inside ``context()``: how a compatibility layer steps out of
-    state that dynamo guards on but no body reads (compat/cpu.py: its device mode, on in
-    forward and off on autograd's backward thread, would compile each body twice)."""
-    global _around_bodies
-    _around_bodies = context
+    """Run every compiled body inside ``context()`` from now on: how a compatibility layer
+    steps out of state that dynamo guards on but no body reads (compat/cpu.py's device mode,
+    on in forward and off on autograd's backward thread, would compile each body twice).
+    Only ``enable_cpu_compat`` calls it: until then a compiled call enters no context."""
+    global _run
+    plain = _run_plain
+
+    def _run(body, args):
+        with context():  # first: a torch function mode also sees each requires_grad read
+            return plain(body, args)
 
 
 def kernel(fn, dynamic: Optional[bool] = None):
@@ -103,14 +106,16 @@ def compiled(fn, dynamic: Optional[bool] = None):
     return call
 
 
-def _run(body, args):
+def _run_plain(body, args):
     """``body(*args)`` so that its compiled code is found again, not compiled once more: dynamo
     guards on each tensor's ``requires_grad``, which no body reads (plain tensor math, called
     inside autograd Functions, grad off): under no grad its tensors go in detached."""
-    with _around_bodies():  # first: a torch function mode also sees each requires_grad read
-        if not torch.is_grad_enabled():
-            args = tuple(map(_detached, args))
-        return body(*args)
+    if not torch.is_grad_enabled():
+        args = tuple(map(_detached, args))
+    return body(*args)
+
+
+_run = _run_plain  # what a compiled call runs; run_bodies_inside() wraps it
 
 
 def _detached(a):

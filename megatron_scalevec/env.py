@@ -12,6 +12,7 @@ Exit 0 when the required packages are in range, 1 otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import sys
@@ -47,7 +48,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def facts() -> dict:
-    """Versions and capabilities found here (imports torch, megatron-core and our specs)."""
+    """Versions and capabilities found here (imports torch, megatron-core and our specs; on
+    CPU with or without the CPU layer, which :func:`main` enables, a library function never)."""
     import torch  # noqa: PLC0415
 
     out = {"python": sys.version.split()[0], "torch": torch.__version__,
@@ -59,11 +61,7 @@ def facts() -> dict:
            "megatron_lm": importlib.util.find_spec("megatron.training") is not None}
     if out["cuda_available"]:
         out["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    from megatron_scalevec.compat.cpu import enable_cpu_compat  # noqa: PLC0415
-
-    with warnings.catch_warnings():  # megatron-core's "TE / Apex not installed": said above
-        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
-        enable_cpu_compat()  # a no-op with CUDA; megatron-core imports on CPU need it
+    with _backend_notes_quiet():
         from megatron_scalevec import megatron_lm, specs  # noqa: PLC0415
         from megatron_scalevec.layers.parts import linear_modules  # noqa: PLC0415
 
@@ -76,6 +74,14 @@ def facts() -> dict:
             out[f"linears_{impl}"] = _first_line(e)
         out[f"grouped_{impl}"] = specs.grouped_gemm_available(impl)
     return out
+
+
+@contextlib.contextmanager
+def _backend_notes_quiet():
+    """megatron-core's "Transformer Engine / Apex not installed" at import: the report says so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+        yield
 
 
 def describe(f: dict) -> list:
@@ -127,6 +133,10 @@ def main(argv=None) -> int:
     if argv:
         print("usage: python -m megatron_scalevec.env   (no arguments)", file=sys.stderr)
         return 2
+    from megatron_scalevec.compat.cpu import enable_cpu_compat  # noqa: PLC0415
+
+    with _backend_notes_quiet():
+        enable_cpu_compat()  # a no-op with CUDA; on CPU megatron-core imports fast with it
     f = facts()
     print("\n".join(describe(f)))
     return 0 if ok(f) else 1

@@ -1,13 +1,17 @@
 """Optimizer-step boundaries as one module sees them: what is fixed within a step (the scale
 vectors, so the fold's scale and the vectors' own transforms) is paid once per step.
 
-megatron-core's DDP calls ``zero_grad_buffer()`` at the start of every training iteration, which
-resets ``grad_added_to_main_grad`` on every parameter; a module that sets it on its first
-training forward of a step sees the next step begin where it is found reset. Training forwards
-(grad enabled; a recomputed forward counts where it runs, in backward order) are counted against
-megatron-core's micro-batch calculator, which Megatron-LM, Megatron-Bridge and our trainer set
-up; the last one's backward is the step's last for that module under every schedule (1F1B,
-interleaved, no pipelining), before DDP reduces its gradient buckets.
+The step a parameter is counted in is carried by our own flag (:data:`OPEN`): :func:`start`
+opens it on a training forward, :func:`close` ends it once the step's gradient is mapped.
+megatron-core's DDP begins each training iteration with ``zero_grad_buffer()``, and the one mark
+that leaves on a parameter is ``grad_added_to_main_grad = False``: :func:`start` sets that
+attribute (a folded weight's gradient reaches ``main_grad`` outside ``.grad``, its DDP meaning),
+and :func:`new_step` reads it only to see that reset (megatron-core's DDP attribute; checked on
+0.16.1 and 0.19.2). Training forwards (grad enabled; a recomputed forward counts where it runs,
+in backward order) are counted against megatron-core's micro-batch calculator, which
+Megatron-LM, Megatron-Bridge and our trainer set up; the last one's backward is the step's last
+for that module under every schedule (1F1B, interleaved, no pipelining), before DDP reduces its
+gradient buckets.
 """
 
 from __future__ import annotations
@@ -36,15 +40,28 @@ def per_step(param: torch.nn.Parameter) -> Optional[int]:
     return microbatches()
 
 
+OPEN = "scalevec_step_open"  # ours: this parameter is counted in an open step
+
+
 def new_step(param: torch.nn.Parameter) -> bool:
-    """True where DDP's ``zero_grad_buffer()`` reset ``param`` since :func:`start` marked it."""
-    return not getattr(param, "grad_added_to_main_grad", False)
+    """True where no step is open on ``param``: none was started, :func:`close` ended it, or
+    DDP's ``zero_grad_buffer()`` reset it since :func:`start`."""
+    return not getattr(param, OPEN, False) or not getattr(param, "grad_added_to_main_grad", False)
 
 
 def start(params) -> None:
-    """Mark ``params`` as counted in the current step (:func:`new_step`)."""
+    """Open a step on ``params`` (:func:`new_step`): their step's gradient reaches ``main_grad``
+    outside ``.grad`` until :func:`close`, so DDP's hook adds no ``.grad`` of theirs."""
     for p in params:
+        setattr(p, OPEN, True)
         p.grad_added_to_main_grad = True
+
+
+def close(params) -> None:
+    """End the step on ``params``: their gradient goes through ``.grad`` to DDP as usual."""
+    for p in params:
+        setattr(p, OPEN, False)
+        p.grad_added_to_main_grad = False
 
 
 def over_count(what: str, seen: int, n: int) -> RuntimeError:

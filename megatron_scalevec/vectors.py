@@ -247,8 +247,8 @@ def _close() -> None:
     step's sum) are summed over their groups and the split vectors' backward statistics (OR's
     and ER's, parameterizations.py) over their split groups, one collective per group for all
     of them, then mapped through each gamma's backward (its parameterization's) onto the
-    parameters, where megatron-core's DDP hooks take them as any gradient
-    (``grad_added_to_main_grad`` cleared)."""
+    parameters, where megatron-core's DDP hooks take them as any gradient (the step closed:
+    :func:`steps.close`)."""
     states = [s for s in _CLOSING if s.gamma is not None and s.leaf.grad is not None]
     _CLOSING.clear()
     if not states:
@@ -272,6 +272,5 @@ def _close() -> None:
     gammas = [s.gamma for s in states]
     for s in states:
         s.gamma = s.leaf = None
-        for p in s.params:  # their gradients now go through .grad as usual
-            p.grad_added_to_main_grad = False
+        steps.close(s.params)  # their gradients now go through .grad as usual
     torch.autograd.backward(gammas, grads)

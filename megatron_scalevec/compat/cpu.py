@@ -6,6 +6,11 @@ imported by it with ``torch.compile`` kept eager) or after (already-compiled jit
 unwrapped back to eager). The device mode is thread-local in torch: call it again in a new
 thread that runs megatron code.
 
+It patches ``torch.cuda`` and ``dist.all_gather`` for the whole process, so only entry points a
+user runs call it (our trainer, the converter's and the preprocessor's command lines,
+``python -m megatron_scalevec.env``), or the user; library code never does, and until it is
+called nothing of ours consults it (tests/compat/test_cpu_off.py).
+
 ==  ============================  ==============================  ================================
 #   what breaks on CPU            why                             what we do
 ==  ============================  ==============================  ================================

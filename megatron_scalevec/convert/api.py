@@ -121,7 +121,8 @@ def convert(source: str, output: str, target: str, *, arch: Optional[ModelArch] 
 
     Returns a report: source/target, and the max logit difference on a sample batch between
     the source model and the converted one (0 up to rounding unless DNP was added); for
-    ``hf`` measured on the exported model loaded back from ``output`` at ``dtype``."""
+    ``hf`` measured on the exported model loaded back from ``output`` at ``dtype``. Without
+    CUDA, call ``compat.cpu.enable_cpu_compat()`` first, as the command line does."""
     if os.path.exists(output) and not overwrite:
         raise FileExistsError(f"output {output} exists; pass --overwrite")
     if tokenizer is not None and not os.path.isfile(tokenizer):

@@ -39,14 +39,13 @@ def transformer_config(arch: ModelArch, **overrides):
 
 def ensure_parallel_state(seed: int = 1234) -> None:
     """A one-process gloo group and TP=PP=1 model parallelism unless already set up
-    (a converter run as a plain script; under torchrun the caller's layout is kept)."""
+    (a converter run as a plain script; under torchrun the caller's layout is kept). On a
+    machine without CUDA the caller enables the CPU layer first, as the converter's command
+    line does (``compat.cpu.enable_cpu_compat``): a library function never patches torch."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_scalevec.compat.cpu import enable_cpu_compat
-
-    enable_cpu_compat()
     if not dist.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

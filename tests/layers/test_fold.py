@@ -167,6 +167,24 @@ def test_step_map_modes_follow_the_calculator():
             step.mode(w)
 
 
+def test_a_step_is_carried_by_our_own_flag():
+    """steps.py opens and closes a step by its own flag; megatron-core's
+    ``grad_added_to_main_grad`` only tells it that DDP's ``zero_grad_buffer()`` began a new
+    iteration. A DDP flag someone else set (megatron-core's fused wgrad sets it) is no step."""
+    from megatron_scalevec import steps
+
+    (w,) = _with_main_grad(_weights(1))
+    w.grad_added_to_main_grad = True  # not by steps.start: no step is open on w
+    assert steps.new_step(w)
+    steps.start([w])
+    assert getattr(w, steps.OPEN) and w.grad_added_to_main_grad and not steps.new_step(w)
+    w.grad_added_to_main_grad = False  # DDP's zero_grad_buffer()
+    assert steps.new_step(w)
+    steps.start([w])
+    steps.close([w])  # the step's gradient mapped: .grad goes to DDP as usual again
+    assert not getattr(w, steps.OPEN) and not w.grad_added_to_main_grad and steps.new_step(w)
+
+
 def _gemm_per_step(entry, x, weights, row, col, step_map):
     """One micro-batch's per-expert GEMM ``x[e] @ W_eff[e]^T`` with the weights folded once per
     step through ``entry``, under FoldedWeights (the GEMM keeps its folded weight; released
