@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.norms import ScaleVecNorm, normalize
-from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import init_model_parallel, oracles, run_on_ranks
 
 EPS = 1e-5
 H = 16
@@ -42,13 +42,8 @@ def _norm(parameterization="plain", normalization="RMSNorm", kind="branch", **va
 
 def _formula(parameterization, p):
     """gamma from leaf copies ``p`` of the parameters, as SPEC.md writes it."""
-    if parameterization == "plain":
-        return p["weight"]
-    if parameterization == "or":
-        u = p["direction"]
-        return p["magnitude"] * H ** 0.5 * u / torch.linalg.vector_norm(u)
-    v = p["logit"]
-    return torch.exp(p["alpha"] + v - v.mean())
+    assert {"plain": "weight", "or": "direction", "er": "logit"}[parameterization] in p
+    return oracles.gamma(p)
 
 
 def _randomize(norm, seed):

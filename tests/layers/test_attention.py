@@ -17,11 +17,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import ScaleVecColumnParallelLinear, ScaleVecSelfAttention
-from scalevec_testing import gather_full_tensor, init_model_parallel, run_on_ranks
+from scalevec_testing import gather_full_tensor, init_model_parallel, oracles, run_on_ranks
 from scalevec_testing import models as M
 from scalevec_testing.compare import rand as _rand
 from scalevec_testing.compare import rel as _rel
@@ -73,14 +72,7 @@ def _gamma(leaves, prefix):
     """SPEC.md's gamma of one norm's vector from leaf copies of its parameters; None without."""
     p = {n[len(prefix):]: t for n, t in leaves.items() if n.startswith(prefix) and
          not n.endswith(".bias")}
-    if not p:
-        return None
-    if "weight" in p:
-        return p["weight"]
-    if "direction" in p:
-        u = p["direction"]
-        return p["magnitude"] * u.numel() ** 0.5 * u / torch.linalg.vector_norm(u)
-    return torch.exp(p["alpha"] + p["logit"] - p["logit"].mean())
+    return oracles.gamma(p) if p else None
 
 
 def _mscale(yarn):
@@ -108,9 +100,7 @@ def _rope(t, freqs, mscale):
 
 
 def _n(t, normalization):
-    if normalization == "RMSNorm":
-        return F.rms_norm(t, (t.shape[-1],), eps=EPS)
-    return F.layer_norm(t, (t.shape[-1],), eps=EPS)
+    return oracles.normalize(t, normalization, EPS)
 
 
 def _reference(x, w_qkv, w_proj, vectors, freqs, mscale, normalization):

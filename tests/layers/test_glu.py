@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_scalevec.layers import glu
-from scalevec_testing import init_model_parallel, run_on_ranks
+from scalevec_testing import init_model_parallel, oracles, run_on_ranks
 from scalevec_testing.compare import rel as _rel
 
 EPS = 1e-5
@@ -29,10 +29,7 @@ def _rand(*shape, seed, around=0.0):
 
 def _n(t, normalization):
     """N over the last dim, no weight: torch's own norms."""
-    t = t.float()
-    if normalization == "RMSNorm":
-        return F.rms_norm(t, (t.shape[-1],), eps=EPS)
-    return F.layer_norm(t, (t.shape[-1],), eps=EPS)
+    return oracles.normalize(t.float(), normalization, EPS)
 
 
 def _reference(z, a_g, a_u, act, gated, normalization):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers.linear import ScaleVecColumnParallelLinear
-from scalevec_testing import gather_full_tensor, init_model_parallel, run_on_ranks
+from scalevec_testing import gather_full_tensor, init_model_parallel, oracles, run_on_ranks
 from scalevec_testing import models as M
 from scalevec_testing.compare import rand as _rand
 from scalevec_testing.compare import rel as _rel
@@ -56,13 +56,8 @@ def _slot_names(branches, rows_local):
 
 def _gamma(parts, kind):
     """SPEC.md's gamma from leaf copies of one vector's parameters (the whole vector)."""
-    if kind == "plain":
-        return parts["weight"]
-    if kind == "or":
-        u = parts["direction"]
-        return parts["magnitude"] * u.numel() ** 0.5 * u / torch.linalg.vector_norm(u)
-    v = parts["logit"]
-    return torch.exp(parts["alpha"] + v - v.mean())
+    assert {"plain": "weight", "or": "direction", "er": "logit"}[kind] in parts
+    return oracles.gamma(parts)
 
 
 def _reference_leaves(lin, tp_group):

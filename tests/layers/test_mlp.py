@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.layers import ScaleVecColumnParallelLinear, ScaleVecMLP
-from scalevec_testing import gather_full_tensor, init_model_parallel, run_on_ranks
+from scalevec_testing import gather_full_tensor, init_model_parallel, oracles, run_on_ranks
 from scalevec_testing import models as M
 from scalevec_testing.compare import rand as _rand
 from scalevec_testing.compare import rel as _rel
@@ -50,20 +50,12 @@ def _build(strategy, **overrides):
 
 
 def _n(t, normalization):
-    if normalization == "RMSNorm":
-        return F.rms_norm(t, (t.shape[-1],), eps=EPS)
-    return F.layer_norm(t, (t.shape[-1],), eps=EPS)
+    return oracles.normalize(t, normalization, EPS)
 
 
 def _gamma(leaves, prefix):
     """SPEC.md's gamma of one norm's vector from leaf copies of its (whole) parameters."""
-    p = {n[len(prefix):]: t for n, t in leaves.items() if n.startswith(prefix)}
-    if "weight" in p:
-        return p["weight"]
-    if "direction" in p:
-        u = p["direction"]
-        return p["magnitude"] * u.numel() ** 0.5 * u / torch.linalg.vector_norm(u)
-    return torch.exp(p["alpha"] + p["logit"] - p["logit"].mean())
+    return oracles.gamma({n[len(prefix):]: t for n, t in leaves.items() if n.startswith(prefix)})
 
 
 def _reference(x, leaves, act, gated, dnp, normalization, per_token_scale):
