@@ -244,6 +244,14 @@ class GroupedExpertsVectors:
             self.expert_norms = torch.nn.ModuleList(experts)
         fc1.norms_applied = True
 
+    def named_scale_vectors(self):
+        """Under ``expert_vectors='shared'`` the experts' norms are not registered (lent: the
+        owner is ``shared_vectors``): declared here, borrowed, on each expert's fc1 rows."""
+        if self.expert_norms is None:
+            for e, expert in enumerate(self.experts_view):
+                for d in expert.named_scale_vectors():
+                    yield d.under(f"experts_view.{e}")
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                 *args, **kwargs):
         once = self.shared_vectors.computed_once() if self.shared_vectors is not None \
