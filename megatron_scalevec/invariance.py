@@ -19,40 +19,34 @@ import math
 
 from torch import nn
 
-__all__ = ["invariant_magnitudes", "steps_until_epsilon", "summary_line"]
+from megatron_scalevec.declared import declared
 
-def _normalized_inputs(module):
-    """(prefix, scale_in) of the projection all of whose outputs ``module`` normalizes (an
-    attention's ``linear_qkv``, an MLP's or expert's ``linear_fc1``, or the shared expert
-    vectors' own ``scale_in``), else None."""
-    if hasattr(module, "v_norm"):  # attention; output-gate rows are not normalized
-        if getattr(module.config, "attention_output_gate", False) or \
-                any(getattr(module, f"{b}_norm") is None for b in "qkv"):
-            return None
-        return "linear_qkv.", getattr(module.linear_qkv, "scale_in", None)
-    if getattr(module, "up_norm", None) is None:
-        return None
-    holder = getattr(module, "linear_fc1", module)
-    scale_in = getattr(holder, "scale_in", None)
-    if scale_in is not None and "gate" in scale_in and module.gate_norm is None:
-        return None  # a gate branch left unnormalized
-    return ("linear_fc1." if holder is not module else ""), scale_in
+__all__ = ["invariant_magnitudes", "steps_until_epsilon", "summary_line"]
 
 
 def invariant_magnitudes(model: nn.Module) -> list:
     """Names of the OR magnitudes / ER alphas of input-side vectors feeding a projection whose
-    every output DNP normalizes (module doc); each parameter once, by its registered name."""
-    registered = {name for name, _ in model.named_parameters()}
-    names = set()
-    for prefix, module in model.named_modules():
-        found = _normalized_inputs(module)
-        if found is None or not found[1]:
+    every output branch DNP normalizes (module doc), from what the modules declare
+    (declared.py); each parameter once, by its registered name (its owner's)."""
+    owner = {id(d.vector): d.name for d in declared(model, owned=True)}
+    inputs: dict = {}  # id(projection) -> (projection, [input vectors])
+    normalized: dict = {}  # id(projection) -> {branches whose rows a norm follows}
+    for d in declared(model):
+        if d.target is None:
             continue
-        base = f"{prefix}.{found[0]}" if prefix else found[0]
-        for branch, vec in found[1].items():
-            if vec.scheme is not None and vec.scheme.magnitude is not None:
-                names.add(f"{base}scale_in.{branch}.{vec.scheme.magnitude}")
-    return sorted(names & registered)
+        if d.side == "in":
+            inputs.setdefault(id(d.target), (d.target, []))[1].append(d.vector)
+        elif d.side == "norm":
+            normalized.setdefault(id(d.target), set()).add(d.branch)
+    names = set()
+    for key, (projection, vectors) in inputs.items():
+        if key not in normalized or not set(projection.slots) <= normalized[key]:
+            continue  # a branch left unnormalized (an output gate; an ungated gate)
+        for vec in vectors:
+            magnitude = vec.scheme.magnitude if vec.scheme is not None else None
+            if magnitude is not None and id(vec) in owner:
+                names.add(f"{owner[id(vec)]}.{magnitude}")
+    return sorted(names)
 
 
 def steps_until_epsilon(lr: float, wd: float, eps: float) -> float:

@@ -33,6 +33,7 @@ import torch
 
 from megatron_scalevec import compile, ops, sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.declared import Declared
 from megatron_scalevec.vectors import ScaleVector
 
 
@@ -146,6 +147,12 @@ class ScaleVecNorm(ScaleVector):
             self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
             if kind != "qk" and getattr(config, "sequence_parallel", False):  # as stock
                 self.bias.sequence_parallel = True
+
+    def named_scale_vectors(self):
+        """A Pre-Norm or final norm declares itself (declared.py); a QK / DNP branch norm is
+        declared by the module that applies it (attention, MLP, experts)."""
+        if self.kind in ("pre", "final"):
+            yield Declared("", self, self.role, "pre")
 
     def forward(self, x: Optional[torch.Tensor] = None):
         """``gamma * N(x)``; without ``x``, as every ScaleVector, gamma itself (None without a

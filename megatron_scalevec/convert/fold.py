@@ -27,21 +27,25 @@ from megatron_scalevec.convert.arch import ModelArch
 from megatron_scalevec.convert.build import build_model
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes
 from megatron_scalevec.convert.warmstart import (
+    DNP_ONLY,
     FunctionChangeError,
     _stock_shapes,
     norm_consumers,
     qk_norm,
 )
-from megatron_scalevec.vectors import ScaleVector
+from megatron_scalevec.declared import declared, declared_by, declared_parameter_names
+
+
+def _dnp_norms(model):
+    """The declared DNP norms (V, gate, up) of ``model``, each once (its owner's name)."""
+    return [d for d in declared(model, owned=True) if d.side == "norm" and d.branch in DNP_ONLY]
 
 
 def unfoldable_branches(model) -> dict[str, list]:
     """branch -> layers whose DNP norm (V, gate, up) has no stock equivalent."""
     found: dict[str, list] = {}
-    for name, module in model.named_modules():
-        for b in ("v", "gate", "up"):
-            if name.endswith(f".{b}_norm") and module is not None:
-                found.setdefault(b, []).append(name.rsplit(".", 2)[0])
+    for d in _dnp_norms(model):
+        found.setdefault(d.branch, []).append(d.name.rsplit(".", 2)[0])
     return found
 
 
@@ -54,10 +58,9 @@ def _gamma_or_ones(module, size: int) -> torch.Tensor:
 def _effective_weight(module) -> torch.Tensor:
     """The weight a stock layer needs to compute what ``module`` computes."""
     w = module.weight
-    if getattr(module, "has_scale_vectors", False):
-        w = module.effective_weight(w)  # diag(a) W diag(gamma) per branch
-    elif isinstance(getattr(module, "scale_in", None), ScaleVector):  # router: W_r diag(gamma_r)
-        w = w.float() * module.scale_in()
+    if any(d.side in ("in", "out") for d in declared_by(module)):
+        # diag(a) W diag(gamma) per branch; the router's W_r diag(gamma_r) (layers/fold.py)
+        w = module.effective_weight(w)
     return w.detach().float().clone()
 
 
@@ -69,9 +72,8 @@ def fold_to_stock(model, arch: ModelArch, keep_dnp: bool = False):
     bad = unfoldable_branches(model)
     dnp: StateDict = {}
     if keep_dnp:
-        for name, module in model.named_modules():
-            if name.endswith((".v_norm", ".gate_norm", ".up_norm")) and module is not None:
-                dnp[name + ".weight"] = _gamma_or_ones(module, module.size)
+        for d in _dnp_norms(model):
+            dnp[d.name + ".weight"] = _gamma_or_ones(d.vector, d.vector.size)
     elif bad:
         where = "; ".join(f"{b}: {len(layers)} layer(s), e.g. {layers[0]}"
                           for b, layers in bad.items())
@@ -82,7 +84,7 @@ def fold_to_stock(model, arch: ModelArch, keep_dnp: bool = False):
     modules = dict(model.named_modules())
     state = model.state_dict()
     out: StateDict = {}
-    vector_params = {n for n, p in model.named_parameters() if hasattr(p, "scalevec_part")}
+    vector_params = declared_parameter_names(model)
     consumed = set()
     h = arch.hidden_size
     has_qk = False

@@ -33,9 +33,15 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.convert.arch import ModelArch
 from megatron_scalevec.convert.build import build_model, logits, sample_batch
 from megatron_scalevec.convert.io import StateDict, check_names_and_shapes, load_full_into
-from megatron_scalevec.layers.expert_vectors import vectors_of
+from megatron_scalevec.declared import (
+    declared,
+    declared_by,
+    declared_parameter_names,
+    pre_norm_readers,
+)
 
-_DNP_ONLY = (".v_norm", ".gate_norm", ".up_norm")
+# branches whose norms only DNP adds (Q / K norms are QK-norm, which stock has)
+DNP_ONLY = ("v", "gate", "up")
 
 
 class FunctionChangeError(ValueError):
@@ -127,14 +133,16 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                     _set_vector(pre, gamma, p + norm, key)
                 move_bias(p + norm, gamma, pre.enabled)
                 for lin in norm_consumers(modules, p, norm):
-                    w, vectors = take(lin + ".weight"), input_vectors(modules[lin])
-                    if not pre.enabled and vectors:  # HG: one copy per branch
-                        for b, vec in vectors.items():
-                            _set_vector(vec, gamma, f"{lin}.scale_in{b}", key)
+                    w, vectors = take(lin + ".weight"), declared_by(modules[lin])
+                    inputs = [d for d in vectors if d.side == "in"]
+                    if not pre.enabled and inputs:  # HG: one copy per branch
+                        for d in inputs:
+                            _set_vector(d.vector, gamma, f"{lin}.{d.name}", key)
                     elif not pre.enabled:  # 'none': no vector anywhere, gamma -> columns
                         w = w * gamma[None, :]
-                    for vec in getattr(vectors_of(modules[lin]), "scale_out", {}).values():
-                        vec.set_from_gamma(torch.ones(vec.size))
+                    for d in vectors:
+                        if d.side == "out":
+                            d.vector.set_from_gamma(torch.ones(d.vector.size))
                     out[lin + ".weight"] = w
             att = modules[p + "self_attention"]
             for b in ("q", "k"):
@@ -152,9 +160,9 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                         move_bias(key[:-len(".weight")], gamma, True)
                 elif norm is not None and norm.enabled:
                     norm.set_from_gamma(torch.ones(norm.size))
-            for name, module in modules.items():  # DNP (dense MLP, experts, shared experts)
-                if name.startswith(p) and name.endswith(_DNP_ONLY) and module is not None:
-                    module.set_from_gamma(torch.ones(module.size))
+            for d in declared(modules[p[:-1]], owned=True):  # DNP (MLP, experts, shared)
+                if d.side == "norm" and d.branch in DNP_ONLY:
+                    d.vector.set_from_gamma(torch.ones(d.vector.size))
         final = modules["decoder.final_layernorm"]
         key = "decoder.final_layernorm.weight"
         gamma = take(key)
@@ -168,7 +176,7 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
                     "the embedding, so the final gamma cannot be folded anywhere")
             out["output_layer.weight"] = take("output_layer.weight") * gamma[None, :]
 
-        vector_names = _vector_names(model)
+        vector_names = declared_parameter_names(model)
         for name in model.state_dict():
             if name.endswith("_extra_state") or name in vector_names or name in out:
                 continue
@@ -189,33 +197,21 @@ def warm_start(stock_sd: StateDict, arch: ModelArch, target: str, *,
 
 
 def norm_consumers(modules: dict, layer: str, norm: str) -> list[str]:
-    """Names of the linears reading a Pre-Norm's output: ``linear_qkv``; ``linear_fc1`` of
-    the MLP, or of every expert and shared expert plus the router in an MoE layer."""
-    if norm == "input_layernorm":
-        return [layer + "self_attention.linear_qkv"]
-    return [n for n in modules if n.startswith(layer + "mlp")
-            and (n.endswith("linear_fc1") or n == layer + "mlp.router")]
+    """Names of the linears reading a Pre-Norm's output (declared.py ``pre_norm_readers``:
+    ``linear_qkv``; ``linear_fc1`` of the MLP, or of every expert and shared expert plus the
+    router in an MoE layer)."""
+    names = {id(m): n for n, m in modules.items()}
+    for pre, readers in pre_norm_readers(modules[layer[:-1]]):
+        if pre is modules[layer + norm]:
+            return [names[id(m)] for m in readers]
+    return []
 
 
 def qk_norm(att, b: str):
-    """Branch ``b``'s QK-norm module of our attention: DNP's ``<b>_norm``, else ours in
-    megatron-core's ``<b>_layernorm`` slot (attention.py); None without one."""
-    from megatron_scalevec.norms import ScaleVecNorm  # noqa: PLC0415
-
-    norm = getattr(att, f"{b}_norm", None)
-    if norm is None and isinstance(getattr(att, f"{b}_layernorm", None), ScaleVecNorm):
-        norm = getattr(att, f"{b}_layernorm")
-    return norm
-
-
-def input_vectors(module) -> dict:
-    """suffix -> input-side ScaleVector of a consumer (linear: per branch; router: one)."""
-    vectors = getattr(vectors_of(module), "scale_in", None)
-    if vectors is None:
-        return {}
-    if isinstance(vectors, torch.nn.ModuleDict):
-        return {f".{b}": v for b, v in vectors.items()}
-    return {"": vectors}
+    """Branch ``b``'s QK-norm of our attention as it declares it (DNP's, or ours in stock's
+    ``<b>_layernorm`` slot: layers/attention.py); None without one."""
+    found = [d.vector for d in declared_by(att) if d.side == "norm" and d.branch == b]
+    return found[0] if found else None
 
 
 def compare_with_stock(model, stock_sd: StateDict, arch: ModelArch) -> float:
@@ -224,10 +220,6 @@ def compare_with_stock(model, stock_sd: StateDict, arch: ModelArch) -> float:
     load_full_into(ref, stock_sd, "stock state dict")
     tokens, pos = sample_batch(arch)
     return float((logits(model, tokens, pos) - logits(ref, tokens, pos)).abs().max())
-
-
-def _vector_names(model) -> set:
-    return {n for n, p in model.named_parameters() if hasattr(p, "scalevec_part")}
 
 
 _SHAPES_CACHE: dict[str, dict[str, tuple]] = {}

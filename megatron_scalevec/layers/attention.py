@@ -27,6 +27,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.declared import Declared
 from megatron_scalevec.layers import fused
 from megatron_scalevec.norms import ScaleVecNorm
 
@@ -74,6 +75,15 @@ class ScaleVecSelfAttention(SelfAttention):
                     config, self.hidden_size_per_attention_head, config.layernorm_epsilon,
                     scalevec=scalevec, kind="qk"))
         self._rope = None  # (q_freqs, k_freqs) while forward() applies RoPE itself
+
+    def named_scale_vectors(self):
+        """Its head norms' vectors on ``linear_qkv``'s q / k / v rows (declared.py): DNP's
+        ``<b>_norm``, or QK-norm in stock's ``<b>_layernorm`` slots."""
+        for b in ("q", "k", "v"):
+            for name in (f"{b}_norm", f"{b}_layernorm"):
+                norm = getattr(self, name, None)
+                if isinstance(norm, ScaleVecNorm):
+                    yield Declared(name, norm, norm.role, "norm", self.linear_qkv, b)
 
     def _fuses_rope(self, kwargs) -> bool:
         """The fused norm+RoPE covers this call: plain bshd self-attention, unfused RoPE."""

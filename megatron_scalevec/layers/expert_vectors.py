@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.declared import Declared
 from megatron_scalevec.norms import ScaleVecNorm
 from megatron_scalevec.vectors import ScaleVector
 
@@ -105,6 +106,17 @@ class ExpertSharedVectors(torch.nn.Module):
                     placement=place("ffn_norm"), expert_allreduce=allreduce))
         # Identical on every EP rank after the reduction above: counted once in the grad norm.
         sharding.mark_replicas(self, ep)
+
+    def named_scale_vectors(self):
+        """All of them, owned here (declared.py); no single target: each user declares what
+        it applies them to (borrowed)."""
+        for side, dict_name in (("in", "scale_in"), ("out", "scale_out")):
+            for b, vec in getattr(self, dict_name).items():
+                yield Declared(f"{dict_name}.{b}", vec, vec.role, side, None, b)
+        for b in ("gate", "up"):
+            norm = getattr(self, f"{b}_norm")
+            if norm is not None:
+                yield Declared(f"{b}_norm", norm, norm.role, "norm", None, b)
 
     def lend_to(self, users) -> None:
         """Make each user (built with an empty ``vectors_from``: :func:`uses_shared_vectors`)

@@ -72,6 +72,12 @@ def fold(weights: Sequence[torch.Tensor], row, col, layout: tuple,
     return out
 
 
+def fold_columns(weight: torch.Tensor, gamma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``W diag(gamma)`` in ``dtype`` with autograd: a weight with one input-side vector and no
+    branches (the router's gamma_r, layers/moe.py), small enough for autograd's own multiply."""
+    return weight.to(dtype) * gamma.to(dtype)
+
+
 def _fold_into(outs, weights, row, col, layout) -> None:
     scale, shape = _scale(row, col, weights[0].dtype), _shape(1, layout, weights[0].shape[-1])[1:]
     for e, (o, w) in enumerate(zip(outs, weights)):

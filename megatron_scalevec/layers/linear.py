@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.declared import Declared
 from megatron_scalevec.layers import fold
 from megatron_scalevec.layers.expert_vectors import Borrowed, uses_shared_vectors, vectors_of
 from megatron_scalevec.vectors import ScaleVector, stacked
@@ -178,6 +179,14 @@ class ScaleVecLinearMixin:
     @property
     def has_scale_vectors(self) -> bool:
         return self._has_vectors
+
+    def named_scale_vectors(self):
+        """Its branch vectors (declared.py): HG's gamma on the branch's input columns, DP's
+        ``a`` on its output rows; borrowed under ``expert_vectors='shared'``."""
+        vectors, owned = vectors_of(self), self.vectors_from is None
+        for side, dict_name in (("in", "scale_in"), ("out", "scale_out")):
+            for b, vec in getattr(vectors, dict_name).items():
+                yield Declared(f"{dict_name}.{b}", vec, vec.role, side, self, b, owned)
 
     def _slot_stack(self, vectors: torch.nn.ModuleDict, width: int,
                     step: Optional[str] = None) -> Optional[torch.Tensor]:

@@ -15,6 +15,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron_scalevec import sharding
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.declared import Declared
 from megatron_scalevec.layers import glu
 from megatron_scalevec.layers.expert_vectors import Borrowed, uses_shared_vectors, vectors_of
 from megatron_scalevec.norms import ScaleVecNorm
@@ -29,6 +30,15 @@ def check_dnp(config, scalevec: ScaleVecConfig, width: int, tp: int) -> None:
     if width % tp:
         raise ValueError(f"DNP: ffn_hidden_size {width} does not split over {tp} "
                          f"tensor-parallel ranks, so its norm cannot be laid out")
+
+
+def branch_norms(holder, target, owned: bool):
+    """Declarations of the DNP norms ``holder`` has (``gate_norm``, ``up_norm``), normalizing
+    ``target``'s branch rows: one definition for every MLP-like owner or user."""
+    for b in ("gate", "up"):
+        norm = getattr(holder, f"{b}_norm", None)
+        if norm is not None:
+            yield Declared(f"{b}_norm", norm, norm.role, "norm", target, b, owned)
 
 
 class GLUNormMLP(MLP):
@@ -59,6 +69,10 @@ class GLUNormMLP(MLP):
         self.up_norm = norm()
         if self.config.gated_linear_unit:
             self.gate_norm = norm()
+
+    def named_scale_vectors(self):
+        """DNP's gate / up norms on ``linear_fc1``'s rows (declared.py), owned or lent."""
+        yield from branch_norms(vectors_of(self), self.linear_fc1, self.vectors_from is None)
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         norms = vectors_of(self)

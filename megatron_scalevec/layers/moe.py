@@ -63,6 +63,8 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron_scalevec import parameterizations, sharding
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.declared import Declared
+from megatron_scalevec.layers import fold
 from megatron_scalevec.layers.expert_vectors import shared_expert_vectors
 from megatron_scalevec.layers.mlp import GLUNormMLP, ScaleVecMLP, check_dnp
 from megatron_scalevec.vectors import ScaleVector
@@ -91,6 +93,18 @@ class ScaleVecTopKRouter(TopKRouter):
                 **sharding.placement("router_input", config, self.tp_group),
                 dtype=config.params_dtype)
 
+    def named_scale_vectors(self):
+        """gamma_r on the gating weight's input columns (declared.py)."""
+        if self.scale_in is not None:
+            yield Declared("scale_in", self.scale_in, self.scale_in.role, "in", self)
+
+    def effective_weight(self, weight: torch.Tensor,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``W_r diag(gamma_r)`` in ``dtype`` (layers/fold.py ``fold_columns``)."""
+        if self.scale_in is None:
+            return weight
+        return fold.fold_columns(weight, self.scale_in(), dtype)
+
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         if self.scale_in is None:
             return super().gating(input)
@@ -99,9 +113,9 @@ class ScaleVecTopKRouter(TopKRouter):
         # Fold in the router's compute dtype (at least fp32), never rounded to the parameter
         # dtype first: with bf16 params and moe_router_dtype=fp32 stock routing multiplies
         # bf16 values in fp32, and so must W_r diag(gamma_r).
-        fold = torch.promote_types(router_dtype, torch.float32)
-        gamma = self.scale_in()  # [h], float32
-        weight = (self.weight.to(fold) * gamma.to(fold)).to(router_dtype)  # [E, h]
+        folded = self.effective_weight(self.weight, torch.promote_types(router_dtype,
+                                                                       torch.float32))
+        weight = folded.to(router_dtype)  # [E, h]
         if weight.dtype != input.dtype and moe_utils.te_general_gemm is not None:
             input = input.to(weight.dtype)  # TE's GEMM takes a single input dtype
         return moe_utils.router_gating_linear(input, weight, self.bias, router_dtype)

@@ -49,6 +49,7 @@ import torch
 
 from megatron_scalevec import parameterizations, sharding
 from megatron_scalevec.config import ScaleVecConfig
+from megatron_scalevec.declared import Declared
 from megatron_scalevec.layers import fold
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
 
@@ -113,8 +114,17 @@ def freeze_scale_free(module: torch.nn.Module, weight: str, bias: str, config,
         stock = parameterizations.stock_name()
         parameterizations.mark(getattr(module, weight), stock,
                                parameterizations.get(stock).parts[0].name, "input")
+        module._scalevec_gamma = weight  # declared by te_norm_gamma
     if getattr(module, bias, None) is not None and scalevec.layernorm_bias != "stock":
         _freeze(module, bias, 0.0)
+
+
+def te_norm_gamma(module: torch.nn.Module, target=None):
+    """The declaration (declared.py) of TE's norm gamma that :func:`freeze_scale_free` left
+    trainable (``shared``): a plain TE parameter, an Input-Norm vector; else nothing."""
+    name = getattr(module, "_scalevec_gamma", None)
+    if name is not None:
+        yield Declared(name, getattr(module, name), "input", "pre", target)
 
 
 def _freeze(module: torch.nn.Module, name: str, value: float) -> None:

@@ -16,7 +16,7 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from megatron_scalevec.compat import mcore
 from megatron_scalevec.config import ScaleVecConfig
-from megatron_scalevec.layers.te import FoldedTELinear, freeze_scale_free
+from megatron_scalevec.layers.te import FoldedTELinear, freeze_scale_free, te_norm_gamma
 from megatron_scalevec.layers.te_grouped import (
     FoldedGroupedLinear,
     GroupedExpertsVectors,
@@ -45,6 +45,11 @@ class ScaleVecTELayerNormColumnParallelLinear(FoldedTELinear, ext.TELayerNormCol
         super().__init__(input_size, output_size, config=config, **kwargs)
         self._init_folded(scalevec, branches, config, input_size, output_size, False)
         freeze_scale_free(self, "layer_norm_weight", "layer_norm_bias", config, scalevec)
+
+    def named_scale_vectors(self):
+        """The branch vectors, and the fused norm's gamma under ``shared`` (declared.py)."""
+        yield from super().named_scale_vectors()
+        yield from te_norm_gamma(self, self)
 
 
 class ScaleVecTEColumnParallelLinear(FoldedTELinear, ext.TEColumnParallelLinear):
@@ -75,6 +80,10 @@ class _ScaleFreeTENorm:
                          zero_centered_gamma=config.layernorm_zero_centered_gamma,
                          **ext._get_extra_te_kwargs(config))
         freeze_scale_free(self, "weight", "bias", config, scalevec)
+
+    def named_scale_vectors(self):
+        """Its gamma under ``shared`` (declared.py)."""
+        yield from te_norm_gamma(self)
 
 
 class ScaleVecTELayerNorm(_ScaleFreeTENorm, ext.te.pytorch.LayerNorm):

@@ -53,6 +53,7 @@ from megatron_scalevec.layers.grouped import (
     stacked_forward_weight,
 )
 from megatron_scalevec.layers.linear import ScaleVecLinearMixin
+from megatron_scalevec.layers.mlp import branch_norms
 from megatron_scalevec.layers.te import (
     check_foldable,
     fold_checked,
@@ -105,8 +106,9 @@ class _ExpertNorms(torch.nn.Module):
     """Expert e's DNP norms ``gate_norm`` / ``up_norm``, as a sequential expert has them (or,
     under ``expert_vectors='shared'``, lent: layers/expert_vectors.py)."""
 
-    def __init__(self, config, scalevec, width, tp_group, allreduce):
+    def __init__(self, config, scalevec, width, tp_group, allreduce, fc1):
         super().__init__()
+        self._fc1 = Borrowed(fc1)  # expert e's fc1 vectors, whose rows these normalize
         self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, True) else None
         if self.vectors_from is not None:
             return
@@ -123,6 +125,10 @@ class _ExpertNorms(torch.nn.Module):
         self.up_norm = norm()
         if config.gated_linear_unit:
             self.gate_norm = norm()
+
+    def named_scale_vectors(self):
+        """Expert e's DNP norms on its fc1 rows (declared.py), owned or lent."""
+        yield from branch_norms(vectors_of(self), self._fc1.target, self.vectors_from is None)
 
 
 def _expert_offsets(sharded_offsets, num_local: int) -> list:
@@ -227,8 +233,8 @@ class GroupedExpertsVectors:
         self.expt_dp_group = getattr(pg_collection, "expt_dp", None) or \
             ps.get_expert_data_parallel_group()
         allreduce = getattr(fc1.weight0, "allreduce", True)
-        experts = [_ExpertNorms(self.config, scalevec, width // tp, self.tp_group, allreduce)
-                   for _ in fc1.scale_vectors]
+        experts = [_ExpertNorms(self.config, scalevec, width // tp, self.tp_group, allreduce,
+                                vectors) for vectors in fc1.scale_vectors]
         self.experts_view = experts  # a list: what each expert's norms are, not registered
         self.shared_vectors = shared_expert_vectors(
             self.config, scalevec, experts + list(fc1.scale_vectors), pg_collection,
@@ -237,6 +243,14 @@ class GroupedExpertsVectors:
         if self.shared_vectors is None and scalevec.dnp:
             self.expert_norms = torch.nn.ModuleList(experts)
         fc1.norms_applied = True
+
+    def named_scale_vectors(self):
+        """Under ``expert_vectors='shared'`` the experts' norms are not registered (lent: the
+        owner is ``shared_vectors``): declared here, borrowed, on each expert's fc1 rows."""
+        if self.expert_norms is None:
+            for e, expert in enumerate(self.experts_view):
+                for d in expert.named_scale_vectors():
+                    yield d.under(f"experts_view.{e}")
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                 *args, **kwargs):

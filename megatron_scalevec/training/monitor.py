@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalevec import sharding
-from megatron_scalevec.layers.expert_vectors import vectors_of
+from megatron_scalevec.declared import declared, pre_norm_readers
 from megatron_scalevec.vectors import ScaleVector
 
 
@@ -51,20 +51,16 @@ def scale_vector_stats(model) -> dict:
     stats = {}
     for chunk_idx, chunk in enumerate(model):
         root = _unwrap(chunk)
-        feeds = {}
-        for mod in root.modules():
-            if hasattr(mod, "slots"):  # a branched projection: the vectors it uses
-                for b, vec in getattr(vectors_of(mod), "scale_in", {}).items():
-                    feeds[id(vec)] = (mod, b)
-            attn = getattr(mod, "self_attention", None)
-            norm = getattr(mod, "input_layernorm", None)
-            if attn is not None and isinstance(norm, ScaleVector):
-                feeds[id(norm)] = (attn.linear_qkv, None)
-            mlp, norm2 = getattr(mod, "mlp", None), getattr(mod, "pre_mlp_layernorm", None)
-            if isinstance(norm2, ScaleVector) and hasattr(getattr(mlp, "linear_fc1", None),
-                                                          "weight"):
-                feeds[id(norm2)] = (mlp.linear_fc1, None)
-        for name, vec in root.named_modules():
+        feeds = {}  # id(vector) -> (the linear whose columns it scales, branch)
+        for d in declared(root):
+            if d.side == "in" and d.target is not None and hasattr(d.target, "slots"):
+                feeds[id(d.vector)] = (d.target, d.branch)
+        for layer in root.modules():
+            for norm, readers in pre_norm_readers(layer):
+                if len(readers) == 1:  # a shared Pre-Norm gamma feeding one whole matrix
+                    feeds.setdefault(id(norm), (readers[0], None))
+        for d in declared(root, owned=True):
+            vec, name = d.vector, d.name
             if not isinstance(vec, ScaleVector) or not vec.enabled:
                 continue
             key = f"sv/{name}" if len(model) == 1 else f"sv/chunk{chunk_idx}/{name}"
