@@ -32,7 +32,14 @@ from typing import Optional
 
 import torch
 
-from megatron_scalevec import sharding
+
+def _sharding():
+    """sharding.py, imported on use: it imports megatron-core, and config.py reads the registry
+    while a command line is parsed, before an entry point has set up the CPU layer and the
+    folding of megatron-core's import warnings (training/summary.py)."""
+    from megatron_scalevec import sharding  # noqa: PLC0415
+
+    return sharding
 
 __all__ = ["ER", "OR", "Parameterization", "Part", "Plain", "get", "mark", "names",
            "part_decays", "partial_statistic", "register", "stock_name", "unregister"]
@@ -114,7 +121,7 @@ class OR(Parameterization):
                                 vec.global_size)
 
     def inverse(self, gamma, vec):
-        sq = sharding.all_reduce_sum(gamma.pow(2).sum(), vec.split_group)
+        sq = _sharding().all_reduce_sum(gamma.pow(2).sum(), vec.split_group)
         return {"direction": gamma, "magnitude": torch.sqrt(sq / vec.global_size).reshape(1)}
 
     def statistics(self, vec):
@@ -136,7 +143,7 @@ class ER(Parameterization):
 
     def inverse(self, gamma, vec):
         log = gamma.log()
-        mean = sharding.all_reduce_sum(log.sum(), vec.split_group) / vec.global_size
+        mean = _sharding().all_reduce_sum(log.sum(), vec.split_group) / vec.global_size
         return {"logit": log - mean, "alpha": mean.reshape(1)}
 
     def outside_domain(self, gamma):
@@ -221,7 +228,7 @@ class _Magnitude(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, beta, group, m):
-        r = torch.rsqrt(sharding.sum_in_place(u.pow(2).sum(-1, keepdim=True), group) / m)
+        r = torch.rsqrt(_sharding().sum_in_place(u.pow(2).sum(-1, keepdim=True), group) / m)
         ctx.save_for_backward(u, beta, r)
         ctx.group, ctx.m, ctx.t = group, m, None
         return beta * u * r
@@ -229,7 +236,7 @@ class _Magnitude(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         u, beta, r = ctx.saved_tensors
-        t = ctx.t if ctx.t is not None else sharding.sum_in_place(partial_statistic(ctx, g),
+        t = ctx.t if ctx.t is not None else _sharding().sum_in_place(partial_statistic(ctx, g),
                                                                      ctx.group)
         return beta * r * (g - (r * r * t / ctx.m) * u), t * r, None, None
 
@@ -246,7 +253,7 @@ class _Exponential(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, alpha, group, m):
-        mean = sharding.sum_in_place(v.sum(-1, keepdim=True), group) / m
+        mean = _sharding().sum_in_place(v.sum(-1, keepdim=True), group) / m
         gamma = torch.exp(alpha + v - mean)
         ctx.save_for_backward(gamma)
         ctx.group, ctx.m, ctx.t = group, m, None
@@ -256,6 +263,6 @@ class _Exponential(torch.autograd.Function):
     def backward(ctx, g):
         (gamma,) = ctx.saved_tensors
         h = g * gamma
-        t = ctx.t if ctx.t is not None else sharding.sum_in_place(h.sum(-1, keepdim=True),
+        t = ctx.t if ctx.t is not None else _sharding().sum_in_place(h.sum(-1, keepdim=True),
                                                                      ctx.group)
         return h - t / ctx.m, t, None, None

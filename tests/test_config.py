@@ -83,3 +83,21 @@ def test_zero_centred_gamma_refused_only_where_it_changes_the_model(strategy, fl
     opts = types.SimpleNamespace(apply_layernorm_1p=True, **flags)
     why = unsupported_with(opts, ScaleVecConfig.from_string(strategy))
     assert (why is None) if refused is None else (refused in (why or "")), why
+
+
+def test_reading_a_strategy_imports_no_megatron_core():
+    """A command line's strategy is read before an entry point enables the CPU layer and folds
+    megatron-core's import warnings: reading it (the registry included) must not import
+    megatron-core (a fresh process: this one has it imported)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from megatron_scalevec import ScaleVecConfig; "
+            "c = ScaleVecConfig.from_string('hg+dnp+er+iwd'); c.describe(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": root},
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
