@@ -26,6 +26,7 @@ parameterization gets the vector (``split_group``, ``global_size``) with its par
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -33,8 +34,10 @@ from typing import Optional
 import torch
 
 
+@functools.cache
 def _sharding():
-    """sharding.py, imported on use: it imports megatron-core, and config.py reads the registry
+    """sharding.py, imported on first use (then cached: the OR / ER Functions call this on
+    every forward and backward): it imports megatron-core, and config.py reads the registry
     while a command line is parsed, before an entry point has set up the CPU layer and the
     folding of megatron-core's import warnings (training/summary.py)."""
     from megatron_scalevec import sharding  # noqa: PLC0415

@@ -7,8 +7,13 @@ tests/convert/test_convert_trainer.py), here because a test file never imports a
 32, 16 tokens, 8 sequences a step), quiet and without plots; tests append the iterations,
 directories and flags they check. ``OVR``: resuming with a longer ``--train-iters`` changes the
 LR schedule, this flag says which applies. :func:`run_trainer`: the trainer's ``main`` as a rank
-function of ``run_on_ranks``.
+function of ``run_on_ranks``; :func:`run_convert` and :func:`run_converter_cli` likewise for the
+converter's API and its command line (tools/convert_checkpoint.py).
 """
+
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = ["--mock-data", "--spec", "scalevec_dense", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
@@ -23,3 +28,25 @@ def run_trainer(rank, world, argv):
     from megatron_scalevec.training.trainer import main
 
     return main(argv)
+
+
+def run_convert(rank, world, *args, **kw):
+    """``run_on_ranks(run_convert, world, load, save, to, ...)``: ``convert.api.convert``."""
+    from megatron_scalevec.convert.api import convert
+
+    return convert(*args, **kw)
+
+
+def run_converter_cli(rank, world, argv):
+    """tools/convert_checkpoint.py's ``main(argv)`` in a rank: (exit code, its stdout)."""
+    import contextlib
+    import importlib.util as iu
+    import io
+
+    spec = iu.spec_from_file_location("cc", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
+    cli = iu.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(argv)
+    return rc, out.getvalue()

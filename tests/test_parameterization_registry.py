@@ -21,9 +21,8 @@ from megatron_scalevec import parameterizations, sharding
 from megatron_scalevec.parameterizations import Parameterization, Part
 from scalevec_testing import init_model_parallel, run_on_ranks
 from scalevec_testing import models as M
-from scalevec_testing.trainer_flags import TINY, run_trainer
+from scalevec_testing.trainer_flags import TINY, run_convert, run_converter_cli, run_trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "softplus"
 STRATEGY = "hg+dp+softplus+iwd"  # foldable (no DNP): converts to stock and to HF
 
@@ -147,26 +146,6 @@ def _run(flags, run_dir, world=1):
                                                     str(run_dir)] + flags, timeout=180)[0]
 
 
-def _convert(rank, world, *args, **kw):
-    from megatron_scalevec.convert.api import convert
-
-    return convert(*args, **kw)
-
-
-def _cli(rank, world, argv):
-    import contextlib
-    import importlib.util as iu
-    import io
-
-    spec = iu.spec_from_file_location("cc", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
-    cli = iu.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = cli.main(argv)
-    return rc, out.getvalue()
-
-
 def _warm_refused(rank, world):
     """A stock state dict with a negative Pre-Norm gamma warm-started into softplus."""
     from megatron_scalevec.convert.arch import ModelArch
@@ -204,12 +183,13 @@ def test_trains_resumes_converts(tmp_path):
 
     assert gamma_panels(read_metrics(j("b")), "u_mean")["attention input (HG)"]["q"]
 
-    stock = run_on_ranks(_convert, 1, j("ck"), j("stock"), "stock")[0]
+    stock = run_on_ranks(run_convert, 1, j("ck"), j("stock"), "stock")[0]
     assert stock["max_logit_diff"] < 1e-5, stock
-    rc, out = run_on_ranks(_cli, 1, ["--load", j("ck"), "--to", "hf", "--save", j("hf")])[0]
+    rc, out = run_on_ranks(run_converter_cli, 1,
+                           ["--load", j("ck"), "--to", "hf", "--save", j("hf")])[0]
     assert rc == 0, out
     assert json.loads(out)["max_logit_diff"] < 1e-4, out
-    warm = run_on_ranks(_convert, 1, j("stock"), j("warm"), "hg+dp+softplus")[0]
+    warm = run_on_ranks(run_convert, 1, j("stock"), j("warm"), "hg+dp+softplus")[0]
     assert warm["target"] == "hg+dp+softplus" and warm["max_logit_diff"] < 1e-5, warm
     refused = run_on_ranks(_warm_refused, 1)[0]
     assert "SOFTPLUS parameterization needs gamma > 0" in refused, refused

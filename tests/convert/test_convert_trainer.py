@@ -9,9 +9,8 @@ import os
 import pytest
 
 from scalevec_testing import run_on_ranks
-from scalevec_testing.trainer_flags import run_trainer
+from scalevec_testing.trainer_flags import run_convert, run_converter_cli, run_trainer
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 TOL = 1e-5
 HF_TOL = 1e-4
 MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2)
@@ -44,25 +43,11 @@ def tiny_data(tmp_path_factory, small_corpus, spm_model):
     return os.path.join(cache, "c_text_document"), spm_model
 
 
-def _convert(rank, world, *args, **kw):
-    from megatron_scalevec.convert.api import convert
-
-    return convert(*args, **kw)
-
-
 def _cli_json(rank, world, argv):
-    import contextlib
-    import importlib.util as iu
-    import io
     import json
 
-    spec = iu.spec_from_file_location("cc", os.path.join(ROOT, "tools", "convert_checkpoint.py"))
-    cli = iu.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = cli.main(argv)
-    return rc, json.loads(out.getvalue()) if rc == 0 else None
+    rc, out = run_converter_cli(rank, world, argv)
+    return rc, json.loads(out) if rc == 0 else None
 
 
 def _read(rank, world, path):
@@ -92,9 +77,9 @@ def test_trainer_converter_round_trip(tmp_path, tiny_data):
         ("distcp", ".pt", "metadata"))) == ["metadata.json", "scalevec_arch.json",
                                             "scalevec_manifest.json", "tokenizer.model"]
     # the trainer's save dir and one iter_N, as they are
-    stock = run_on_ranks(_convert, 1, j("ck1", "iter_0000003"), j("stock"), "stock")[0]
+    stock = run_on_ranks(run_convert, 1, j("ck1", "iter_0000003"), j("stock"), "stock")[0]
     assert stock["max_logit_diff"] < TOL
-    warm = run_on_ranks(_convert, 1, j("ck1"), j("ws"), "unified",
+    warm = run_on_ranks(run_convert, 1, j("ck1"), j("ws"), "unified",
                         allow_function_change=True)[0]
     assert warm["target"] == "hg+dnp+or+iwd" and os.path.isfile(j("ws", "tokenizer.model"))
     # weights only, at another layout: the trainer's TP=2 checkpoint equals the converter's
