@@ -451,23 +451,15 @@ def setup(args, keep_heap: bool) -> str:
         enable_cpu_compat()
         if keep_heap and not args.system_malloc and keep_freed_memory():
             heap = "kept"
-    import os
 
     import torch.distributed as dist
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from scalevec_testing import init_model_parallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:  # a free one: several benchmarks may share a machine
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0,
-                                world_size=1)
+    if not dist.is_initialized():  # one process, an in-process store: no port to share
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
     if args.device == "cuda":
         torch.cuda.set_device(0)
     init_model_parallel()

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import random
 import socket
 import sys
 import time
@@ -46,10 +47,33 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port() -> int:
+    """A free port for a rendezvous, picked at random below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` is ephemeral: after we release it, the kernel may hand it to
+    another process's outgoing connection before our ranks bind it (gloo opens many; with two
+    test runs side by side a Megatron-LM launch failed with EADDRINUSE). Below the range only
+    an explicit bind takes a port."""
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)
+    rng = random.Random()  # not the global RNG: tests seed that
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high - 1}")
 
 
 def _start_autograd_without_device_threads() -> None:
@@ -189,7 +213,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout: float = 120, **kwargs) -> 
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("run_on_ranks: destroy the parent's default process group first")
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     procs, conns = [], []
     try:
         for rank in range(world_size):

@@ -49,7 +49,6 @@ import functools
 import json
 import os
 import runpy
-import socket
 import subprocess
 import sys
 import time
@@ -198,12 +197,6 @@ class Result:
         return self
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: list, out_dir: str, nproc: int = 1, env: Optional[dict] = None,
         timeout: float = 300, rank_env: Optional[dict] = None) -> Result:
     """Run ``pretrain_gpt.py args`` (plus :data:`CPU_FLAGS`) on ``nproc`` CPU ranks;
@@ -211,7 +204,9 @@ def run(args: list, out_dir: str, nproc: int = 1, env: Optional[dict] = None,
     if missing():
         raise RuntimeError(f"{ENV_REQUIRE}={os.environ.get(ENV_REQUIRE, '')!r}: {missing()}")
     os.makedirs(out_dir, exist_ok=True)
-    port = _free_port()
+    from scalevec_testing.distributed import free_port  # torch: the launcher's side only
+
+    port = free_port()
     base = {**os.environ, **(env or {})}
     base.setdefault("MEGATRON_SCALEVEC_FUSED_COMPILE", "off")
     base["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, base.get("PYTHONPATH")) if p)

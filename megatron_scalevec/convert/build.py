@@ -5,7 +5,6 @@ the checkpoint code read without importing the model code."""
 from __future__ import annotations
 
 import datetime
-import socket
 from typing import Optional
 
 import torch
@@ -47,11 +46,9 @@ def ensure_parallel_state(seed: int = 1234) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(minutes=30))
+        # an in-process store: no port to race for (see training/trainer.py)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(minutes=30))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(seed)

@@ -14,7 +14,6 @@ import datetime
 import functools
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -52,11 +51,9 @@ def _init_distributed(args) -> bool:
         dist.init_process_group(
             backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
         return True
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    # one process: an in-process store, no port (a free port picked, released and bound
+    # again can be taken in between by another process on a busy machine)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 

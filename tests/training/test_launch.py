@@ -7,23 +7,18 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from scalevec_testing.distributed import free_port
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
 BIN = os.path.dirname(sys.executable)
 pytestmark = pytest.mark.skipif(not os.path.exists(os.path.join(BIN, "torchrun")),
                                 reason="no torchrun beside this python")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _nodes(run_dir, port, *extra, iters=8):
@@ -67,11 +62,11 @@ def _wait(procs, timeout=240):
 
 
 def test_two_nodes_save_then_resume(tmp_path):
-    first = _wait(_nodes(tmp_path, _port(), "--exit-interval", "4"))
+    first = _wait(_nodes(tmp_path, free_port(), "--exit-interval", "4"))
     assert [rc for rc, *_ in first] == [0, 0], first[0][2][-3000:] + first[1][2][-3000:]
     ck = tmp_path / "checkpoints"
     assert (ck / "latest").read_text().strip() == "4"
-    second = _wait(_nodes(tmp_path, _port()))
+    second = _wait(_nodes(tmp_path, free_port()))
     assert [rc for rc, *_ in second] == [0, 0], second[0][2][-3000:]
     assert "resumed from" in second[0][1] and "at iteration 4" in second[0][1]
     recs = [json.loads(x) for x in open(ck / "metrics.jsonl")]
@@ -81,7 +76,7 @@ def test_two_nodes_save_then_resume(tmp_path):
 
 
 def test_dead_node_ends_the_job_with_a_message(tmp_path):
-    procs = _nodes(tmp_path, _port(), iters=100000)
+    procs = _nodes(tmp_path, free_port(), iters=100000)
     try:
         metrics = tmp_path / "checkpoints" / "metrics.jsonl"
         deadline = time.time() + 180
@@ -139,7 +134,7 @@ def test_two_nodes_with_their_own_home_directories(tmp_path, small_corpus, spm_m
     data = tmp_path / "data"
     data.mkdir()
     preprocess([small_corpus], str(data / "corpus"), spm_model, progress=False)
-    port, procs = _port(), []
+    port, procs = free_port(), []
     for rank in (0, 1):
         home = tmp_path / f"home{rank}"
         home.mkdir()
