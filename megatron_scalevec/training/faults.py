@@ -9,10 +9,12 @@ collective, and leaves the other ranks waiting in it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -145,6 +147,35 @@ def kill_children_with_parent() -> bool:
         os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
         _HOOK["installed"] = True
     return True
+
+
+# --- Ctrl-C during a save ------------------------------------------------------------------
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold a Ctrl-C that arrives inside the block until the block ends, then raise it.
+
+    megatron-core's checkpoint writer forks processes; a KeyboardInterrupt raised inside
+    CPython's fork hooks is swallowed ("Exception ignored") and can leave a lock held so that
+    the next fork never returns (a trainer stuck after Ctrl-C mid-save). Held, the save
+    finishes and is published, and the run ends naming it. A second Ctrl-C raises at once."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending = []
+
+    def hold(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pending:
+        raise KeyboardInterrupt
 
 
 # --- one-line messages ---------------------------------------------------------------------

@@ -326,12 +326,13 @@ class Trainer:
                     f"parameters are non-finite at iteration {self.iteration}: not writing a "
                     f"checkpoint to {self.args.save}; 'latest' still points to the last good "
                     f"one")
-            save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
-                            self.scheduler, self.consumed,
-                            self.args.scalevec_config.to_string(), self.meta,
-                            extra_files=checkpoint_files(self),
-                            optim_meta=dict(
-                                vector_lr_mult=self.args.scalevec_config.vector_lr_mult))
+            with faults.interrupts_held():  # Ctrl-C: after the save is published
+                save_checkpoint(self.args.save, self.iteration, self.model, self.optimizer,
+                                self.scheduler, self.consumed,
+                                self.args.scalevec_config.to_string(), self.meta,
+                                extra_files=checkpoint_files(self),
+                                optim_meta=dict(
+                                    vector_lr_mult=self.args.scalevec_config.vector_lr_mult))
         self.log.print(f"saved checkpoint iteration {self.iteration} to {self.args.save}")
 
     def _record(self, loss, gnorm, window, speed, evaluate):

@@ -292,3 +292,37 @@ def test_metadata_guard_for_megatron_lm(tmp_path, monkeypatch):
     with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
         fs.pickle.load(io.BytesIO(pickle.dumps(_RunsCode(marker))))
     assert not marker.exists()
+
+
+HELD = """
+import os, signal, multiprocessing as mp
+from megatron_scalevec.training import faults
+done = []
+try:
+    with faults.interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        writer = mp.get_context("fork").Process(target=int)  # a fork, as the writer's
+        writer.start()
+        writer.join()
+        done.append("published")
+except KeyboardInterrupt:
+    print("raised after", done)
+try:
+    with faults.interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        done.append("unreachable")
+except KeyboardInterrupt:
+    print("second raised", done, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+
+
+def test_ctrl_c_during_a_save_is_raised_once_it_is_published():
+    """The trainer's save holds Ctrl-C: raised inside megatron-core's writer forks, it could
+    be swallowed in a fork hook and hang the next fork; a second Ctrl-C raises at once."""
+    p = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, env=ENV,
+                       timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                     signal.SIG_DFL))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["raised after ['published']",
+                                     "second raised ['published'] True"], p.stdout + p.stderr
