@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 from torch import nn
 
 __all__ = ["Declared", "declared", "declared_by", "declared_parameter_names",
-           "pre_norm_readers"]
+           "pre_norm_readers", "sites"]
 
 SIDES = ("in", "out", "norm", "pre")
 
@@ -93,4 +93,46 @@ def pre_norm_readers(layer: nn.Module) -> list:
         readers = [m for n, m in mlp.named_modules()
                    if n.endswith("linear_fc1") or n == "router"]
         out.append((norm2, readers))
+    return out
+
+
+def sites(model: nn.Module) -> dict:
+    """{declared name: (site, side, branch)}: where in megatron-core's layer each vector acts,
+    for plots. ``site``: "attention", "router" or "mlp" (anything else in a TransformerLayer:
+    the MLP, experts, shared experts) from the class of the module around the vector's target
+    (or, without a target, around its declaring module); a Pre-Norm is "pre" inside a layer,
+    "final" outside one, its branch the site it feeds."""
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.moe.router import Router
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    where, in_layer = {}, set()
+
+    def visit(module, site, layered):
+        if isinstance(module, TransformerLayer):
+            site, layered = "mlp", True
+        elif isinstance(module, Attention):
+            site = "attention"
+        elif isinstance(module, Router):
+            site = "router"
+        where[id(module)] = site
+        if layered:
+            in_layer.add(id(module))
+        for child in module.children():
+            visit(child, site, layered)
+
+    visit(model, "final", False)
+    feeds = {id(norm): min((where[id(r)] for r in readers), key="router".__eq__)
+             for layer in model.modules()  # the MLP's Pre-Norm feeds its router too
+             for norm, readers in pre_norm_readers(layer) if readers}
+    out = {}
+    for prefix, module in model.named_modules():
+        for d in declared_by(module):
+            owner = id(d.target) if d.target is not None else id(module)
+            if d.side == "pre":
+                site = "pre" if id(module) in in_layer else "final"
+                branch = where[owner] if d.target is not None else feeds.get(id(module))
+            else:
+                site, branch = where[owner], d.branch
+            out[d.under(prefix).name] = (site, d.side, branch)
     return out

@@ -20,9 +20,22 @@ DENSE_VARIANTS = {"plain": {}, "qk": dict(qk_layernorm=True),
 MOE_STRATEGIES = ["shared", "hg", "hg+dp", "unified", "hg+dp+er"]
 
 
+def site_by_name(name: str, side: str, branch) -> tuple:
+    """Where a vector acts, from stock's module names (the oracle of ``declared.sites``)."""
+    if side == "pre":
+        if "final_layernorm" in name:
+            return ("final", "pre", None)
+        feeds = "attention" if "input_layernorm" in name or "self_attention" in name else "mlp"
+        return ("pre", "pre", feeds)
+    site = ("router" if ".router." in name + "." else
+            "attention" if "self_attention" in name else "mlp")
+    return (site, side, branch)
+
+
 def mismatch(model) -> list:
-    """What differs between the declarations and the optimizer's vectors (empty: none)."""
-    from megatron_scalevec.declared import declared, declared_parameter_names
+    """What differs between the declarations and the optimizer's vectors, and between the
+    declared sites and stock's names (empty: none)."""
+    from megatron_scalevec.declared import declared, declared_parameter_names, sites
     from megatron_scalevec.optim import is_vector
 
     optimizer = {n for n, p in model.named_parameters() if is_vector(p, n)}
@@ -40,6 +53,9 @@ def mismatch(model) -> list:
             bad.append(f"{d.name}: borrowed from no owner")
         if any(p.scalevec_role != d.role for p in d.parameters()):
             bad.append(f"{d.name}: declared {d.role}, marked otherwise")
+    where = sites(model)
+    bad += [f"{d.name}: site {where.get(d.name)}, by name {site_by_name(d.name, d.side, d.branch)}"
+            for d in declared(model) if where.get(d.name) != site_by_name(d.name, d.side, d.branch)]
     return bad
 
 

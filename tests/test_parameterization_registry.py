@@ -179,9 +179,10 @@ def test_trains_resumes_converts(tmp_path):
         (split, straight)
     last = json.loads(open(j("b", "metrics.jsonl")).read().splitlines()[-1])
     assert any(k.endswith(".scale_in.q/u_mean") for k in last), sorted(last)[:20]
-    from megatron_scalevec.training.plotting import gamma_panels, read_metrics
+    from megatron_scalevec.training.plotting import gamma_panels, read_metrics, read_sites
 
-    assert gamma_panels(read_metrics(j("b")), "u_mean")["attention input (HG)"]["q"]
+    assert gamma_panels(read_metrics(j("b")), "u_mean", read_sites(j("b")))[
+        "attention input (HG)"]["q"]
 
     stock = run_on_ranks(run_convert, 1, j("ck"), j("stock"), "stock")[0]
     assert stock["max_logit_diff"] < 1e-5, stock

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_scalevec import sharding
-from megatron_scalevec.declared import declared, pre_norm_readers
+from megatron_scalevec.declared import declared, pre_norm_readers, sites
 from megatron_scalevec.vectors import ScaleVector
 
 
@@ -39,6 +39,17 @@ def _col_sq_norm(linear, branch=None) -> torch.Tensor:
     sq = w.pow(2).reshape(-1, w.shape[-1]).sum(0)
     group = getattr(linear, "tp_group", None) or sharding.tp_group(False)
     return sharding.all_reduce_sum(sq, group) if sharding.group_size(group) > 1 else sq
+
+
+def _key(name: str, chunk_idx: int, chunks: int) -> str:
+    return f"sv/{name}" if chunks == 1 else f"sv/chunk{chunk_idx}/{name}"
+
+
+def vector_sites(model) -> dict:
+    """{"sv/<path>": [site, side, branch]} for this rank's vectors (declared.sites), written
+    once beside metrics.jsonl so plots group vectors by what they scale, not by name."""
+    return {_key(name, i, len(model)): list(where) for i, chunk in enumerate(model)
+            for name, where in sites(_unwrap(chunk)).items()}
 
 
 @torch.no_grad()
@@ -63,7 +74,7 @@ def scale_vector_stats(model) -> dict:
             vec, name = d.vector, d.name
             if not isinstance(vec, ScaleVector) or not vec.enabled:
                 continue
-            key = f"sv/{name}" if len(model) == 1 else f"sv/chunk{chunk_idx}/{name}"
+            key = _key(name, chunk_idx, len(model))
             gamma = vec().detach().float()  # its call: DDP's pre-hooks run first
             sq = sharding.all_reduce_sum(gamma.pow(2).sum(), vec.split_group)
             stats[f"{key}/norm"] = sq.sqrt()
@@ -113,17 +124,21 @@ class MetricsLog:
 
     def write_config(self, args) -> None:
         """``config.json`` beside metrics.jsonl: the flags of this run (plots title with it)."""
+        self.write_json("config.json", {k: v for k, v in sorted(vars(args).items())
+                                        if isinstance(v, (str, int, float, bool, type(None),
+                                                          list))})
+
+    def write_json(self, name: str, obj) -> None:
+        """``name`` beside metrics.jsonl (rank 0), replaced whole."""
         if not self.enabled:
             return
-        cfg = {k: v for k, v in sorted(vars(args).items())
-               if isinstance(v, (str, int, float, bool, type(None), list))}
-        config = os.path.join(os.path.dirname(self.path), "config.json")
-        if not os.path.exists(config):
-            self.created.append(config)
-        tmp = os.path.join(os.path.dirname(self.path), ".config.json.tmp")
+        path = os.path.join(os.path.dirname(self.path), name)
+        if not os.path.exists(path):
+            self.created.append(path)
+        tmp = os.path.join(os.path.dirname(self.path), f".{name}.tmp")
         with open(tmp, "w") as f:
-            json.dump(cfg, f, indent=1)
-        os.replace(tmp, os.path.join(os.path.dirname(self.path), "config.json"))
+            json.dump(obj, f, indent=1)
+        os.replace(tmp, path)
 
     def print(self, text: str) -> None:
         if self.enabled and not self.quiet:

@@ -103,38 +103,49 @@ def gamma_series(recs: list, stat: str, grouped: bool) -> dict:
             for lab, pts in out.items()}
 
 
-# Vector kinds, one row of panels each: (kind, pattern on the vector's module path whose first
-# matching group names the branch); the first match wins.
-_KINDS = (
-    ("attention input (HG)", r"linear_qkv\.scale_in\.(\w+)$"),
-    ("attention output (DP / DNP)", r"linear_qkv\.scale_out\.(\w+)$|self_attention\.(\w+)_norm$"),
-    ("router input (HG)", r"router\.(scale_in)$"),
-    ("MLP / expert input (HG)", r"linear_fc1\.scale_in\.(\w+)$"),
-    ("MLP / expert output (DP / DNP)", r"linear_fc1\.scale_out\.(\w+)$|\.(\w+)_norm$"),
-    ("Pre-Norm (shared)", r"(input|pre_mlp)_layernorm$"),
-    ("final norm", r"(final)_layernorm$"),
-)
+# Vector kinds, one row of panels each, from (site, side) in vectors.json (declared.sites)
+_KINDS = {
+    ("attention", "in"): "attention input (HG)",
+    ("attention", "out"): "attention output (DP / DNP)",
+    ("attention", "norm"): "attention output (DP / DNP)",
+    ("router", "in"): "router input (HG)",
+    ("mlp", "in"): "MLP / expert input (HG)",
+    ("mlp", "out"): "MLP / expert output (DP / DNP)",
+    ("mlp", "norm"): "MLP / expert output (DP / DNP)",
+    ("pre", "pre"): "Pre-Norm (shared)",
+    ("final", "pre"): "final norm",
+}
 _STATS = (("norm", "||gamma||"), ("beta", "OR magnitude beta"),
           ("conservation", "mean_j gamma_j^2 - ||w_j||^2"))
 
 
-def vector_kind(path: str):
-    """(kind, branch) of a vector's module path, e.g. ('attention input (HG)', 'q')."""
-    for kind, pattern in _KINDS:
-        m = re.search(pattern, path)
-        if m:
-            return kind, next(g for g in m.groups() if g)
-    return "other", path.rsplit(".", 1)[-1]
+def read_sites(run_dir: str) -> dict:
+    """vectors.json beside the metrics ({"sv/<path>": [site, side, branch]}); {} for a run
+    that has none (its vectors plot as "other")."""
+    path = os.path.join(os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir,
+                        "vectors.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
-def gamma_panels(recs: list, stat: str) -> dict:
+def vector_kind(key: str, sites: dict):
+    """(kind, branch) of a logged vector ``sv/<path>``, e.g. ('attention input (HG)', 'q')."""
+    site, side, branch = sites.get(key, (None, None, None))
+    kind = _KINDS.get((site, side), "other")
+    return kind, branch or (site if kind != "other" else key.rsplit(".", 1)[-1])
+
+
+def gamma_panels(recs: list, stat: str, sites: dict) -> dict:
     """{kind: {branch: [(iteration, mean, min, max)]}}: each branch's statistic over its layers
     and experts (the mean, and the spread as a band)."""
     out = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for r in recs:
         for k, v in r.items():
             if k.startswith("sv/") and k.endswith("/" + stat) and v is not None:
-                kind, branch = vector_kind(k[3:].rsplit("/", 1)[0])
+                kind, branch = vector_kind(k.rsplit("/", 1)[0], sites)
                 out[kind][branch][r["iteration"]].append(v)
     return {kind: {b: [(it, sum(v) / len(v), min(v), max(v)) for it, v in sorted(pts.items())]
                    for b, pts in branches.items()} for kind, branches in out.items()}
@@ -145,13 +156,15 @@ def plot_gamma(run_dirs, out_png: str):
     over layers and experts, their spread shaded), a line style per run; each row's legend
     outside its panels."""
     plt = _plt()
-    runs = [(os.path.basename(os.path.normpath(r)), read_metrics(r)) for r in run_dirs]
+    runs = [(os.path.basename(os.path.normpath(r)), read_metrics(r), read_sites(r))
+            for r in run_dirs]
     # a parameterization's own statistics (Parameterization.statistics) after the known ones
-    found = {k.rsplit("/", 1)[1] for _, recs in runs for r in recs for k in r
+    found = {k.rsplit("/", 1)[1] for _, recs, _ in runs for r in recs for k in r
              if k.startswith("sv/")}
     every = list(_STATS) + [(s, s) for s in sorted(found - {s for s, _ in _STATS})]
-    data = [(name, {s: gamma_panels(recs, s) for s, _ in every}) for name, recs in runs]
-    order = [k for k, _ in _KINDS] + ["other"]
+    data = [(name, {s: gamma_panels(recs, s, sites) for s, _ in every})
+            for name, recs, sites in runs]
+    order = [*dict.fromkeys(_KINDS.values()), "other"]
     kinds = [k for k in order if any(k in p[s] for _, p in data for s, _ in every)]
     stats = [(s, t) for s, t in every if any(p[s] for _, p in data)]
     if not kinds:

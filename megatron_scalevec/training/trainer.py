@@ -182,11 +182,13 @@ class Trainer:
 
         from megatron_scalevec.optim import build_optimizer  # noqa: PLC0415
         from megatron_scalevec.training import checkpointing  # noqa: PLC0415
+        from megatron_scalevec.training.monitor import vector_sites  # noqa: PLC0415
 
         vocab = self.vocab_size
         self.log.write_config(a)
         self.config = transformer_config(a, vocab)
         self.model = build_model(a, self.config, vocab)
+        self.log.write_json("vectors.json", vector_sites(self.model))  # where each acts: plots
         opt_cfg = OptimizerConfig(
             optimizer="adam" if a.optimizer == "muon" else a.optimizer, lr=a.lr, min_lr=a.min_lr,
             weight_decay=a.weight_decay, adam_beta1=a.adam_beta1, adam_beta2=a.adam_beta2,

@@ -16,12 +16,13 @@ def _run(path, strategy, layers, beta, diverge=False):
     (path / "config.json").write_text(json.dumps(dict(
         spec="scalevec_dense", scalevec=strategy, num_layers=layers, hidden_size=32, lr=0.01,
         global_batch_size=8, seq_length=16)))
-    recs = []
+    recs, sites = [], {}
     for it in range(1, 6):
         r = dict(iteration=it, loss=5.0 - it * 0.1)
         for layer in range(layers):
             for br in ("scale_in.q", "scale_in.k", "scale_in.v"):
                 key = f"sv/decoder.layers.{layer}.self_attention.linear_qkv.{br}"
+                sites[key] = ["attention", "in", br[-1]]
                 r[f"{key}/norm"] = 1.0 + 0.01 * it
                 r[f"{key}/conservation"] = 0.1 * layer
                 if beta:
@@ -30,6 +31,7 @@ def _run(path, strategy, layers, beta, diverge=False):
     if diverge:
         recs.append(dict(iteration=6, loss=None, nonfinite=["loss"], diverged="x"))
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (path / "vectors.json").write_text(json.dumps(sites))
     return str(path)
 
 
@@ -46,17 +48,21 @@ def test_loss_plot_title_and_nonfinite_marks(tmp_path):
 def _moe_unified(path, layers=4, experts=8):
     """The vector statistics a unified MoE run logs (names as the trainer writes them)."""
     path.mkdir()
-    recs = []
+    recs, sites = [], {"sv/decoder.final_layernorm": ["final", "pre", None]}
     for it in range(1, 6):
         r = dict(iteration=it, loss=5.0 - it * 0.1)
         for layer in range(layers):
             head = f"sv/decoder.layers.{layer}."
-            names = [f"self_attention.linear_qkv.scale_in.{b}" for b in "qkv"]
-            names += [f"self_attention.{b}_norm" for b in "qkv"] + ["mlp.router.scale_in"]
+            names = {f"self_attention.linear_qkv.scale_in.{b}": ["attention", "in", b]
+                     for b in "qkv"}
+            names.update({f"self_attention.{b}_norm": ["attention", "norm", b] for b in "qkv"})
+            names["mlp.router.scale_in"] = ["router", "in", None]
             for e in range(experts):
                 ex = f"mlp.experts.local_experts.{e}."
-                names += [f"{ex}linear_fc1.scale_in.{b}" for b in ("gate", "up")]
-                names += [f"{ex}{b}_norm" for b in ("gate", "up")]
+                for b in ("gate", "up"):
+                    names[f"{ex}linear_fc1.scale_in.{b}"] = ["mlp", "in", b]
+                    names[f"{ex}{b}_norm"] = ["mlp", "norm", b]
+            sites.update({head + n: where for n, where in names.items()})
             for n in names:
                 r[f"{head}{n}/norm"] = 8.0 + 0.01 * it * (layer + 1)
                 r[f"{head}{n}/beta"] = 1.0 + 0.001 * it
@@ -65,6 +71,7 @@ def _moe_unified(path, layers=4, experts=8):
         r["sv/decoder.final_layernorm/norm"] = 8.0
         recs.append(r)
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (path / "vectors.json").write_text(json.dumps(sites))
     return str(path)
 
 
