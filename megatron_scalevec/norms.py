@@ -162,3 +162,17 @@ class ScaleVecNorm(ScaleVector):
             return super().forward()
         return _ScaledNorm.apply(x, super().forward(), self.bias, self.layer, self.eps,
                                  self.split_group, self.global_size)
+
+
+def ffn_norms(config, scalevec: ScaleVecConfig, width: int, placement: dict,
+              allreduce: Optional[bool] = None) -> dict:
+    """DNP's ``{"gate": norm, "up": norm}`` over an FFN's local ``width`` (None where there is
+    none: no DNP; no gate without a GLU): the one definition for an MLP, a TE grouped expert
+    and the shared expert vectors. ``allreduce``: an expert weight's (None: dense)."""
+    def norm():
+        return ScaleVecNorm(config, width, config.layernorm_epsilon, scalevec=scalevec,
+                            kind="branch", placement=placement, expert_allreduce=allreduce)
+
+    up = norm() if scalevec.dnp else None
+    gate = norm() if scalevec.dnp and config.gated_linear_unit else None
+    return {"gate": gate, "up": up}

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+from megatron_scalevec.backward import on_backward
+
 # Where each scale vector lives: split along its layer's tensor-parallel group (else
 # replicated on it), and the group over which one rank's use of it is partial, so that its
 # gradient is summed there in autograd (reduce_grad). "tp": the layer's TP group (expert-TP for
@@ -95,21 +97,6 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class _ReduceGrad(torch.autograd.Function):
-    """Identity forward; sums the gradient over ``group`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def sum_in_place(t: torch.Tensor, group) -> torch.Tensor:
     """``t`` summed over ``group`` in place, outside autograd (inside a custom backward)."""
     if group_size(group) > 1:
@@ -160,9 +147,10 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """``x``; its gradient summed over ``group`` in backward."""
     if group_size(group) == 1 or not torch.is_grad_enabled():
         return x
-    return _ReduceGrad.apply(x, group)
+    return on_backward(x, lambda grad: sum_in_place(grad.clone(), group))
 
 
 def ready(modules) -> None:

@@ -21,6 +21,7 @@ parameters.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -28,6 +29,7 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_scalevec import parameterizations, sharding, steps
+from megatron_scalevec.backward import on_backward
 
 
 class ScaleVector(nn.Module):
@@ -167,6 +169,49 @@ def stacked(vectors: list) -> torch.Tensor:
         [getattr(v, name).float() for v in vectors]), vectors[0]))
 
 
+def has_branch_vectors(scalevec) -> bool:
+    """Whether a branched projection has vectors: HG's gamma (input side) or DP's ``a``."""
+    return bool((scalevec.hg and scalevec.vectors) or scalevec.dp)
+
+
+def branch_vectors(scalevec, config, names, inputs: tuple, outputs: tuple,
+                   expert_allreduce: Optional[bool]) -> tuple:
+    """(scale_in, scale_out): ModuleDicts of branches ``names``' HG gamma and DP ``a``, for
+    every owner of a branched projection's vectors (the linear itself, expert e in a TE grouped
+    linear, the shared expert vectors). ``inputs`` / ``outputs``: (local size, placement:
+    sharding.py) of each side; ``expert_allreduce``: an expert weight's (None: dense)."""
+    scale_in, scale_out = torch.nn.ModuleDict(), torch.nn.ModuleDict()
+    for name in names:
+        if scalevec.hg and scalevec.vectors:
+            scale_in[name] = ScaleVector(
+                inputs[0], scalevec.parameterization, role="input", **inputs[1],
+                expert_allreduce=expert_allreduce, dtype=config.params_dtype)
+        if scalevec.dp:
+            scale_out[name] = ScaleVector(
+                outputs[0], scalevec.parameterization, role=scalevec.dp_output_role,
+                **outputs[1], expert_allreduce=expert_allreduce, dtype=config.params_dtype)
+    return scale_in, scale_out
+
+
+def sharded_vectors(declarations, prefix: str, sharded_offsets=(), metadata=None,
+                    copy: Optional[int] = None) -> dict:
+    """Checkpoint entries of the vectors a module owns, from its declarations
+    (``named_scale_vectors()``): each ScaleVector's own, split-aware ones, under ``prefix`` and
+    its declared name; borrowed vectors are saved by their owner, a plain parameter (TE's norm
+    gamma) by its module. ``copy``: the replica id's last entry, where a vector's copies are
+    numbered otherwise than a dense one's (expert data parallel, EP). The one walk for every
+    module that saves vectors (linears, TE grouped experts, shared expert vectors)."""
+    sd = {}
+    for d in declarations:
+        if d.owned and isinstance(d.vector, ScaleVector):
+            sd.update(d.vector.sharded_state_dict(f"{prefix}{d.name}.", sharded_offsets,
+                                                  metadata))
+    if copy is not None:
+        for sh in sd.values():
+            sh.replica_id = (*sh.replica_id[:2], copy)
+    return sd
+
+
 # ------------------------------------------------- a vector's value and gradient, once per step
 
 def _value(vectors: list, compute) -> torch.Tensor:
@@ -206,7 +251,7 @@ def _value(vectors: list, compute) -> torch.Tensor:
     state.seen += 1
     if state.seen < n:
         return state.leaf
-    return _LastMicroBatch.apply(state.leaf, state)
+    return on_backward(state.leaf, functools.partial(_enrol, state))
 
 
 class _Step:
@@ -219,24 +264,16 @@ class _Step:
         self.leaf: Optional[torch.Tensor] = None
 
 
-class _LastMicroBatch(torch.autograd.Function):
-    """Identity on the step's leaf; its backward (the step's last micro-batch's) enrols the
-    vector in :func:`_close`, which runs when that backward has finished."""
-
-    @staticmethod
-    def forward(ctx, leaf, state):
-        ctx.state = state
-        return leaf.view_as(leaf)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not _CLOSING:
-            # Private: the autograd engine's queue_callback (what torch's DDP and FSDP use to
-            # run code when a backward pass has finished; no public equivalent in torch 2.9 to
-            # 2.13). A reentrant backward (recompute) closes at its own end.
-            torch.autograd.Variable._execution_engine.queue_callback(_close)
-        _CLOSING.append(ctx.state)
-        return grad, None
+def _enrol(state: _Step, grad: torch.Tensor) -> torch.Tensor:
+    """The backward of the step's last micro-batch, reaching its leaf: enrols ``state`` in
+    :func:`_close`, which runs when that backward has finished."""
+    if not _CLOSING:
+        # Private: the autograd engine's queue_callback (what torch's DDP and FSDP use to run
+        # code when a backward pass has finished; no public equivalent in torch 2.9 to 2.13).
+        # A reentrant backward (recompute) closes at its own end.
+        torch.autograd.Variable._execution_engine.queue_callback(_close)
+    _CLOSING.append(state)
+    return grad
 
 
 _CLOSING: list = []  # the steps whose last micro-batch's backward is running

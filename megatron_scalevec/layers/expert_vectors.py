@@ -7,8 +7,9 @@ Every module normally owns the vectors it uses: a fused projection its ``scale_i
 * the owner is the layer's :class:`ExpertSharedVectors`, registered once as ``shared_vectors``
   by its experts module (sequential, local grouped or TE grouped): state_dict, DDP buckets,
   optimizer groups and checkpoints see the vectors there and nowhere else;
-* each user (every expert and its fc1, or what stands for them in a TE grouped linear) builds
-  none of its own and holds a :class:`Borrowed` as ``vectors_from``, filled by
+* each user (every expert and its fc1; in a TE grouped linear each expert's
+  ``ExpertFc1Vectors`` and DNP norms, layers/te_grouped.py) builds none of its own and holds
+  a :class:`Borrowed` as ``vectors_from``, filled by
   :meth:`ExpertSharedVectors.lend_to`;
 * every reader asks :func:`vectors_of` (``vectors_of(fc1).scale_in``, ``vectors_of(mlp).up_norm``).
 """
@@ -24,8 +25,8 @@ from megatron.core import parallel_state
 from megatron_scalevec import sharding
 from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.declared import Declared
-from megatron_scalevec.norms import ScaleVecNorm
-from megatron_scalevec.vectors import ScaleVector
+from megatron_scalevec.norms import ffn_norms
+from megatron_scalevec.vectors import ScaleVector, branch_vectors, sharded_vectors
 
 __all__ = ["Borrowed", "ExpertSharedVectors", "shared_expert_vectors", "uses_shared_vectors",
            "vectors_of"]
@@ -88,22 +89,11 @@ class ExpertSharedVectors(torch.nn.Module):
             return sharding.placement(f"shared_expert_{vector}", config, expt_tp, ep=ep,
                                       tp_ep=tp_ep)
 
-        self.scale_in = torch.nn.ModuleDict()
-        self.scale_out = torch.nn.ModuleDict()
-        self.gate_norm = self.up_norm = None
-        for name in names:
-            if scalevec.hg and scalevec.vectors:
-                self.scale_in[name] = ScaleVector(
-                    config.hidden_size, scalevec.parameterization, role="input",
-                    **place("input"), expert_allreduce=allreduce, dtype=config.params_dtype)
-            if scalevec.dp:
-                self.scale_out[name] = ScaleVector(
-                    local, scalevec.parameterization, role=scalevec.dp_output_role,
-                    **place("output"), expert_allreduce=allreduce, dtype=config.params_dtype)
-            if scalevec.dnp:
-                setattr(self, f"{name}_norm", ScaleVecNorm(
-                    config, local, config.layernorm_epsilon, scalevec=scalevec, kind="branch",
-                    placement=place("ffn_norm"), expert_allreduce=allreduce))
+        self.scale_in, self.scale_out = branch_vectors(
+            scalevec, config, names, (config.hidden_size, place("input")),
+            (local, place("output")), allreduce)
+        norms = ffn_norms(config, scalevec, local, place("ffn_norm"), allreduce)
+        self.gate_norm, self.up_norm = norms["gate"], norms["up"]  # registered in this order
         # Identical on every EP rank after the reduction above: counted once in the grad norm.
         sharding.mark_replicas(self, ep)
 
@@ -141,16 +131,10 @@ class ExpertSharedVectors(torch.nn.Module):
                            ep_group=None, expt_dp_group=None):
         """Once per layer (no expert axis), replicated over EP x expert DP (and expert TP
         where not split): the replica id's last entry numbers the (EP, expert-DP) copies."""
-        sd = {}
         copy = sharding.group_rank(ep_group) + sharding.group_size(ep_group) * \
             sharding.group_rank(expt_dp_group)
-        for name, vec in self.named_modules():
-            if isinstance(vec, ScaleVector) and name:
-                part = vec.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata)
-                for sh in part.values():
-                    sh.replica_id = (*sh.replica_id[:2], copy)
-                sd.update(part)
-        return sd
+        return sharded_vectors(self.named_scale_vectors(), prefix, sharded_offsets, metadata,
+                               copy)
 
 
 def shared_expert_vectors(config, scalevec: ScaleVecConfig, users, pg_collection, *,

@@ -23,12 +23,14 @@ one linear is ``E = 1``. Vectors: ``row`` ``[E, S, r]`` (DP's ``a``), ``col`` ``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from megatron_scalevec import compile, steps
+from megatron_scalevec.backward import on_backward
 
 
 def _scale(row, col, dtype) -> torch.Tensor:
@@ -228,20 +230,12 @@ class _Held:
         fold(self.weights, self.row, self.col, self.layout, out=self.w_eff.data)
 
 
-class _RefoldBeforeBackward(torch.autograd.Function):
-    """Identity on the GEMM's output; its backward (which runs before the GEMM's: it makes the
-    GEMM's output gradient) refolds the held weights."""
-
-    @staticmethod
-    def forward(ctx, out, held):
-        ctx.held = held
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        for h in ctx.held:
-            h.refold()
-        return grad, None
+def _refold(held: list, grad: torch.Tensor) -> torch.Tensor:
+    """The backward of a GEMM's output (which runs before the GEMM's: it makes the GEMM's
+    output gradient): the held weights refolded first."""
+    for h in held:
+        h.refold()
+    return grad
 
 
 class FoldedWeights:
@@ -310,7 +304,7 @@ class FoldedWeights:
         if not held or not out.requires_grad:
             return out
         if self.refold:
-            out = _RefoldBeforeBackward.apply(out, held)
+            out = on_backward(out, functools.partial(_refold, held))
         for h in held:
             h.release()
         return out

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from megatron_scalevec import sharding
+from megatron_scalevec.backward import on_backward
 from megatron_scalevec.layers import fold, glu
 from megatron_scalevec.layers.expert_vectors import vectors_of
 from megatron_scalevec.layers.fold import Fold
@@ -33,8 +34,8 @@ from megatron_scalevec.layers.moe import ScaleVecSequentialMLP
 from megatron_scalevec.vectors import stacked
 
 __all__ = ["Fc1View", "ScaleVecGroupedMLP", "expert_norm_vectors", "experts_glu_norm",
-           "fold_vectors", "grouped_mm_available", "grouped_linear", "stacked_forward_weight",
-           "stacked_gamma"]
+           "fold_vectors", "grouped_mm_available", "grouped_linear", "probs_on_input",
+           "stacked_forward_weight", "stacked_gamma"]
 
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(
     torch, "_grouped_mm", None)
@@ -45,24 +46,24 @@ def grouped_mm_available() -> bool:
     return _GROUPED_MM is not None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
-    refuses expanded (stride-0) gradients such as that of ``out.sum()``."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``x[rows of e] @ weight[e].T`` for every group e. x [T, in], weight [E, out, in],
-    offs [E] int32 cumulative row ends (offs[-1] == T)."""
+    offs [E] int32 cumulative row ends (offs[-1] == T). Its gradient made contiguous:
+    grouped_mm's backward refuses expanded (stride-0) gradients such as that of ``out.sum()``."""
     out = _GROUPED_MM(x.contiguous(), weight.transpose(-2, -1), offs=offs)
-    return _ContiguousGrad.apply(out)
+    return on_backward(out, torch.Tensor.contiguous)
+
+
+def probs_on_input(config, x: torch.Tensor, probs: torch.Tensor) -> tuple:
+    """(x, probs) under megatron-core's ``moe_apply_probs_on_input`` (top-1 only): the router
+    probabilities ([T] or [T, 1]) scale the input rows, and ones replace them after the GEMMs;
+    unchanged otherwise. Local and TE grouped experts alike."""
+    if not config.moe_apply_probs_on_input:
+        return x, probs
+    if config.moe_router_topk != 1:
+        raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
+    rows = probs if probs.dim() == x.dim() else probs.unsqueeze(-1)
+    return (rows * x).to(x.dtype), torch.ones_like(probs)
 
 
 def stacked_gamma(vectors: list) -> Optional[torch.Tensor]:
@@ -131,16 +132,15 @@ def experts_glu_norm(h, a_g, a_u, norm, config, rows: glu.ExpertRows) -> torch.T
 
 class Fc1View:
     """The experts' fc1 vectors (``experts``: each expert's fc1, or what holds its vectors in
-    a TE grouped linear) and their layout, alike across experts."""
+    a TE grouped linear: te_grouped.py ``ExpertFc1Vectors``) and their layout, alike across
+    experts; each expert's vectors are read through ``vectors_of(expert)``."""
 
     def __init__(self, experts):
         self.experts = list(experts)
         first = self.experts[0]
         self.groups, self.slots, self.rows = first.groups, first.slots, first.rows
         self.layout = (self.groups, len(self.slots), self.rows)  # layers/fold.py's
-
-    def __getattr__(self, name):
-        return getattr(self.experts[0], name)
+        self.has_scale_vectors = first.has_scale_vectors
 
 
 class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
@@ -204,12 +204,7 @@ class ScaleVecGroupedMLP(ScaleVecSequentialMLP):
         return cfg.activation_func(gate) * (up + cfg.glu_linear_offset)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        x, probs = permuted_local_hidden_states, permuted_probs
-        if self.config.moe_apply_probs_on_input:
-            if self.config.moe_router_topk != 1:
-                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
-            x = (probs.unsqueeze(-1) * x).to(x.dtype)
-            probs = torch.ones_like(probs)
+        x, probs = probs_on_input(self.config, permuted_local_hidden_states, permuted_probs)
         # No host read of device counts, one non-blocking upload of host counts (glu.py)
         counts = torch.as_tensor(tokens_per_expert)
         if counts.numel() != self.num_local_experts:

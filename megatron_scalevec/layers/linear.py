@@ -41,7 +41,12 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.declared import Declared
 from megatron_scalevec.layers import fold
 from megatron_scalevec.layers.expert_vectors import Borrowed, uses_shared_vectors, vectors_of
-from megatron_scalevec.vectors import ScaleVector, stacked
+from megatron_scalevec.vectors import (
+    branch_vectors,
+    has_branch_vectors,
+    sharded_vectors,
+    stacked,
+)
 
 
 def branch_layout(branches: str, config, out_local: int) -> tuple:
@@ -63,6 +68,24 @@ def branch_layout(branches: str, config, out_local: int) -> tuple:
         slots = ["gate", "up"] if config.gated_linear_unit else ["up"]
         return 1, slots, out_local // len(slots)
     raise ValueError(f"unknown branch layout {branches!r} (expected 'qkv' or 'fc1')")
+
+
+def check_dp_bias(scalevec: ScaleVecConfig, has_bias: bool,
+                  fix: str = "set add_bias_linear=False") -> None:
+    """DP's ``a`` scales a branch's rows in the fold, which a bias added after the GEMM would
+    escape: refused for every branched linear (local, TE, TE grouped)."""
+    if scalevec.dp and has_bias:
+        raise ValueError(f"DP output-side vectors with a linear bias are not supported: {fix}")
+
+
+def branch_declarations(user):
+    """What ``user`` (a branched projection, or what holds its vectors) declares
+    (declared.py): HG's gamma on each branch's input columns, DP's ``a`` on its output rows;
+    borrowed under ``expert_vectors='shared'``."""
+    vectors, owned = vectors_of(user), user.vectors_from is None
+    for side, dict_name in (("in", "scale_in"), ("out", "scale_out")):
+        for b, vec in getattr(vectors, dict_name).items():
+            yield Declared(f"{dict_name}.{b}", vec, vec.role, side, user, b, owned)
 
 
 def _fold_one(weight, row, col, layout) -> torch.Tensor:
@@ -144,49 +167,33 @@ class ScaleVecLinearMixin:
         names = list(dict.fromkeys(self.slots))
         weight = weight if weight is not None else getattr(self, "weight", None)
         expert_allreduce = getattr(weight, "allreduce", True) if is_expert else None
-        in_vec = scalevec.hg and scalevec.vectors
-        out_vec = scalevec.dp
         bias = getattr(self, "bias", None)  # TE keeps an empty tensor when bias=False
-        if out_vec and bias is not None and bias.numel() > 0:
-            raise ValueError("DP output-side vectors with a linear bias are not supported: "
-                             "set add_bias_linear=False / add_qkv_bias=False")
-        if in_vec and mode == "activation":
+        check_dp_bias(scalevec, bias is not None and bias.numel() > 0,
+                      "set add_bias_linear=False / add_qkv_bias=False")
+        if scalevec.hg and scalevec.vectors and mode == "activation":
             for name in names:  # [S, 1]: keeps this branch's rows of a full-width output
                 mask = torch.tensor([[float(slot == name)] for slot in self.slots])
                 self.register_buffer(f"_slot_mask_{name}", mask, persistent=False)
-        self._has_vectors = bool(in_vec or out_vec)
+        self._has_vectors = has_branch_vectors(scalevec)
         self._step_slots: dict = {}  # _slot_stack's once-per-step results
         self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, is_expert) else None
         if self.vectors_from is not None:
             return  # lent by the layer's ExpertSharedVectors
-        self.scale_in = torch.nn.ModuleDict()
-        self.scale_out = torch.nn.ModuleDict()
         in_place = sharding.placement(
             "input_folded" if mode == "weight" else
             "input_activation_expert" if is_expert else "input_activation", config, tp_group)
         out_place = sharding.placement(f"{branches}_output", config, tp_group)
-        for name in names:
-            if in_vec:
-                self.scale_in[name] = ScaleVector(
-                    in_size, scalevec.parameterization, role="input", **in_place,
-                    expert_allreduce=expert_allreduce, dtype=config.params_dtype)
-            if out_vec:
-                self.scale_out[name] = ScaleVector(
-                    self.rows, scalevec.parameterization, role=scalevec.dp_output_role,
-                    **out_place, expert_allreduce=expert_allreduce,
-                    dtype=config.params_dtype)
+        self.scale_in, self.scale_out = branch_vectors(
+            scalevec, config, names, (in_size, in_place), (self.rows, out_place),
+            expert_allreduce)
 
     @property
     def has_scale_vectors(self) -> bool:
         return self._has_vectors
 
     def named_scale_vectors(self):
-        """Its branch vectors (declared.py): HG's gamma on the branch's input columns, DP's
-        ``a`` on its output rows; borrowed under ``expert_vectors='shared'``."""
-        vectors, owned = vectors_of(self), self.vectors_from is None
-        for side, dict_name in (("in", "scale_in"), ("out", "scale_out")):
-            for b, vec in getattr(vectors, dict_name).items():
-                yield Declared(f"{dict_name}.{b}", vec, vec.role, side, self, b, owned)
+        """Its branch vectors (declared.py :func:`branch_declarations`)."""
+        yield from branch_declarations(self)
 
     def _slot_stack(self, vectors: torch.nn.ModuleDict, width: int,
                     step: Optional[str] = None) -> Optional[torch.Tensor]:
@@ -265,14 +272,9 @@ class ScaleVecLinearMixin:
     def scale_vector_sharded_state_dict(self, sd, prefix, sharded_offsets, metadata):
         """Replace the generic entries of our vectors by their own (split-aware) ones; lent
         vectors (MoE ``expert_vectors='shared'``) are saved by their owner."""
-        for dict_name in ("scale_in", "scale_out"):
-            for key in [k for k in sd if k.startswith(f"{prefix}{dict_name}.")]:
-                del sd[key]
-            if self.vectors_from is not None:
-                continue
-            for name, vec in getattr(self, dict_name).items():
-                sd.update(vec.sharded_state_dict(f"{prefix}{dict_name}.{name}.",
-                                                 sharded_offsets, metadata))
+        generic = (f"{prefix}scale_in.", f"{prefix}scale_out.")
+        sd = {k: v for k, v in sd.items() if not k.startswith(generic)}
+        sd.update(sharded_vectors(branch_declarations(self), prefix, sharded_offsets, metadata))
         return sd
 
 

@@ -18,7 +18,7 @@ from megatron_scalevec.config import ScaleVecConfig
 from megatron_scalevec.declared import Declared
 from megatron_scalevec.layers import glu
 from megatron_scalevec.layers.expert_vectors import Borrowed, uses_shared_vectors, vectors_of
-from megatron_scalevec.norms import ScaleVecNorm
+from megatron_scalevec.norms import ffn_norms
 from megatron_scalevec.vectors import stacked
 
 
@@ -27,9 +27,16 @@ def check_dnp(config, scalevec: ScaleVecConfig, width: int, tp: int) -> None:
     if not scalevec.dnp:
         return
     glu.check_config(config)
-    if width % tp:
-        raise ValueError(f"DNP: ffn_hidden_size {width} does not split over {tp} "
-                         f"tensor-parallel ranks, so its norm cannot be laid out")
+    check_dnp_width(scalevec, width, tp)
+
+
+def check_dnp_width(scalevec: ScaleVecConfig, width: int, tp: int, field="ffn_hidden_size",
+                    ranks="tensor-parallel") -> None:
+    """DNP's norm over ``width`` (config.``field``) splits evenly over ``tp`` ``ranks`` ranks:
+    every MLP and experts module."""
+    if scalevec.dnp and width % tp:
+        raise ValueError(f"DNP: {field} {width} does not split over {tp} {ranks} ranks, so "
+                         f"its norm cannot be laid out")
 
 
 def branch_norms(holder, target, owned: bool):
@@ -53,22 +60,11 @@ class GLUNormMLP(MLP):
         self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, is_expert) else None
         if self.vectors_from is not None:
             return
-        self.gate_norm = self.up_norm = None
-        if not scalevec.dnp:
-            return
         tp = sharding.group_size(self.tp_group)
         allreduce = getattr(self.linear_fc1.weight, "allreduce", True) if is_expert else None
-
-        def norm():
-            return ScaleVecNorm(self.config, width // tp, self.config.layernorm_epsilon,
-                                scalevec=scalevec, kind="branch",
-                                placement=sharding.placement("ffn_norm", self.config,
-                                                             self.tp_group),
-                                expert_allreduce=allreduce)
-
-        self.up_norm = norm()
-        if self.config.gated_linear_unit:
-            self.gate_norm = norm()
+        norms = ffn_norms(self.config, scalevec, width // tp,
+                          sharding.placement("ffn_norm", self.config, self.tp_group), allreduce)
+        self.up_norm, self.gate_norm = norms["up"], norms["gate"]  # registered in this order
 
     def named_scale_vectors(self):
         """DNP's gate / up norms on ``linear_fc1``'s rows (declared.py), owned or lent."""

@@ -50,10 +50,11 @@ from megatron_scalevec.layers.grouped import (
     expert_norm_vectors,
     experts_glu_norm,
     fold_vectors,
+    probs_on_input,
     stacked_forward_weight,
 )
-from megatron_scalevec.layers.linear import ScaleVecLinearMixin
-from megatron_scalevec.layers.mlp import branch_norms
+from megatron_scalevec.layers.linear import branch_declarations, branch_layout, check_dp_bias
+from megatron_scalevec.layers.mlp import branch_norms, check_dnp_width
 from megatron_scalevec.layers.te import (
     check_foldable,
     fold_checked,
@@ -62,15 +63,14 @@ from megatron_scalevec.layers.te import (
     te_reads_weight,
     unread_checked,
 )
-from megatron_scalevec.norms import ScaleVecNorm
+from megatron_scalevec.norms import ffn_norms
+from megatron_scalevec.vectors import branch_vectors, has_branch_vectors, sharded_vectors
 
 
 def check(config, scalevec: ScaleVecConfig) -> None:
     """One line for each option the grouped experts with these vectors cannot honour."""
     check_foldable(config, scalevec)
-    if scalevec.dp and config.add_bias_linear:
-        raise ValueError("DP output-side vectors with a linear bias are not supported: "
-                         "set add_bias_linear=False")
+    check_dp_bias(scalevec, config.add_bias_linear)
     if (scalevec.hg or scalevec.dp or scalevec.dnp) and \
             getattr(config, "moe_mlp_glu_interleave_size", None):
         raise NotImplementedError("scale vectors on TE grouped experts do not support "
@@ -86,20 +86,33 @@ def check(config, scalevec: ScaleVecConfig) -> None:
                                   f"between the GEMMs does not offload")
 
 
-class _ExpertVectors(ScaleVecLinearMixin, torch.nn.Module):
-    """One expert's fc1 vectors inside a grouped linear (same layout as a sequential fc1);
-    ``weight``: its ``weight{e}``, read for ``allreduce`` and held by reference (the grouped
-    linear owns it), for what reads an fc1's weight beside its vectors (training/monitor.py)."""
+class ExpertFc1Vectors(torch.nn.Module):
+    """Expert e's fc1 vectors inside a TE grouped linear, which registers it as
+    ``scale_vectors.{e}``: the owner of its ``scale_in`` / ``scale_out`` (a sequential fc1's
+    layout and names), or their user under ``expert_vectors='shared'`` (``vectors_from``).
+    ``weight``: the grouped linear's ``weight{e}`` they fold into, held by reference, for
+    what reads an fc1's weight beside its vectors (training/monitor.py)."""
 
-    def __init__(self, scalevec, config, input_size, out_local, group, weight):
+    def __init__(self, scalevec: ScaleVecConfig, config, input_size, out_local, group, weight):
         super().__init__()
+        self.groups, self.slots, self.rows = branch_layout("fc1", config, out_local)
+        self.has_scale_vectors = has_branch_vectors(scalevec)
         self._weight = Borrowed(weight)
-        self._init_scale_vectors(scalevec, "fc1", config, input_size, out_local, True, group,
-                                 "weight", weight=weight)
+        self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, True) else None
+        if self.vectors_from is None:
+            self.scale_in, self.scale_out = branch_vectors(
+                scalevec, config, list(dict.fromkeys(self.slots)),
+                (input_size, sharding.placement("input_folded", config, group)),
+                (self.rows, sharding.placement("fc1_output", config, group)),
+                getattr(weight, "allreduce", True))
 
     @property
     def weight(self) -> torch.nn.Parameter:
         return self._weight.target
+
+    def named_scale_vectors(self):
+        """Expert e's branch vectors on its fc1 rows (declared.py), owned or lent."""
+        yield from branch_declarations(self)
 
 
 class _ExpertNorms(torch.nn.Module):
@@ -112,39 +125,31 @@ class _ExpertNorms(torch.nn.Module):
         self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, True) else None
         if self.vectors_from is not None:
             return
-        self.gate_norm = self.up_norm = None
-        if not scalevec.dnp:
-            return
-
-        def norm():
-            return ScaleVecNorm(config, width, config.layernorm_epsilon, scalevec=scalevec,
-                                kind="branch",
-                                placement=sharding.placement("ffn_norm", config, tp_group),
-                                expert_allreduce=allreduce)
-
-        self.up_norm = norm()
-        if config.gated_linear_unit:
-            self.gate_norm = norm()
+        norms = ffn_norms(config, scalevec, width,
+                          sharding.placement("ffn_norm", config, tp_group), allreduce)
+        self.up_norm, self.gate_norm = norms["up"], norms["gate"]  # registered in this order
 
     def named_scale_vectors(self):
         """Expert e's DNP norms on its fc1 rows (declared.py), owned or lent."""
         yield from branch_norms(vectors_of(self), self._fc1.target, self.vectors_from is None)
 
 
-def _expert_offsets(sharded_offsets, num_local: int) -> list:
-    """Per local expert: the sharded offsets with the global expert axis, and the replica id's
-    last entry (the expert data-parallel rank), as megatron-core's experts save them."""
-    first = ps.get_expert_model_parallel_rank() * num_local
-    total = ps.get_expert_model_parallel_world_size() * num_local
-    return [(*sharded_offsets, (len(sharded_offsets), first + e, total))
-            for e in range(num_local)], ps.get_expert_data_parallel_rank()
-
-
-def _at_expert_keys(part: dict, local: str, prefix: str, copy: int) -> dict:
-    replace_prefix_for_sharding(part, local, prefix)  # keys as the sequential experts'
-    for sh in part.values():
-        sh.replica_id = (*sh.replica_id[:2], copy)
-    return part
+def _at_expert_keys(holders, local: str, prefix: str, sharded_offsets, metadata) -> dict:
+    """The vectors each local expert's holder owns, at its global expert id (the expert axis
+    in the sharded offsets; the replica id's last entry: the expert data-parallel rank), under
+    the sequential experts' keys (``{local}{e}.`` becomes ``prefix``), as megatron-core's
+    experts save them."""
+    first = ps.get_expert_model_parallel_rank() * len(holders)
+    total = ps.get_expert_model_parallel_world_size() * len(holders)
+    copy = ps.get_expert_data_parallel_rank()
+    sd = {}
+    for e, holder in enumerate(holders):
+        offsets = (*sharded_offsets, (len(sharded_offsets), first + e, total))
+        part = sharded_vectors(holder.named_scale_vectors(), f"{local}{e}.", offsets,
+                               metadata, copy)
+        replace_prefix_for_sharding(part, f"{local}{e}.", prefix)
+        sd.update(part)
+    return sd
 
 
 class FoldedGroupedLinear:
@@ -156,9 +161,9 @@ class FoldedGroupedLinear:
         self.norms_applied = not scalevec.dnp  # set by the grouped MLP (GroupedExpertsVectors)
         group = sharding.tp_group(is_expert=True)
         self.scale_vectors = torch.nn.ModuleList(
-            _ExpertVectors(scalevec, config, input_size, local_output_size(output_size, True),
-                           group, getattr(self, f"weight{e}")) for e in range(self.num_gemms))
-        self.has_scale_vectors = self.scale_vectors[0].has_scale_vectors
+            ExpertFc1Vectors(scalevec, config, input_size, local_output_size(output_size, True),
+                             group, getattr(self, f"weight{e}")) for e in range(self.num_gemms))
+        self.has_scale_vectors = has_branch_vectors(scalevec)
         self._folds = fold.FoldedWeights()
         self._step_map, self._step = fold.StepMap(), None
         self._fused_accumulation = self.fuse_wgrad_accumulation  # as configured
@@ -199,18 +204,11 @@ class FoldedGroupedLinear:
         (TEGroupedMLP maps ``linear_fc1.`` to ``experts.linear_fc1.``); lent ones are saved
         by their owner."""
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        for key in [k for k in sd if k.startswith(f"{prefix}scale_vectors.")]:
-            del sd[key]
+        sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}scale_vectors.")}
         if self.scale_vectors[0].vectors_from is not None:
             return sd
-        offsets, copy = _expert_offsets(sharded_offsets, len(self.scale_vectors))
-        for e, vectors in enumerate(self.scale_vectors):
-            local, part = f"{prefix}scale_vectors.{e}.", {}
-            for dict_name in ("scale_in", "scale_out"):
-                for name, vec in getattr(vectors, dict_name).items():
-                    part.update(vec.sharded_state_dict(f"{local}{dict_name}.{name}.",
-                                                       offsets[e], metadata))
-            sd.update(_at_expert_keys(part, local, prefix, copy))
+        sd.update(_at_expert_keys(self.scale_vectors, f"{prefix}scale_vectors.", prefix,
+                                  sharded_offsets, metadata))
         return sd
 
 
@@ -226,9 +224,7 @@ class GroupedExpertsVectors:
             raise TypeError("ScaleVecTEGroupedMLP needs the scale-vector grouped fc1 "
                             "(specs.py's TE grouped experts)")
         tp = sharding.group_size(self.tp_group)
-        if scalevec.dnp and width % tp:
-            raise ValueError(f"DNP: moe_ffn_hidden_size {width} does not split over {tp} "
-                             f"expert-tensor-parallel ranks")
+        check_dnp_width(scalevec, width, tp, "moe_ffn_hidden_size", "expert-tensor-parallel")
         self.scalevec = scalevec
         self.expt_dp_group = getattr(pg_collection, "expt_dp", None) or \
             ps.get_expert_data_parallel_group()
@@ -282,11 +278,7 @@ class GroupedExpertsVectors:
         if (cfg.fp8 or cfg.fp4) and not (skip is not None and skip(cfg)):
             x, padded = self.quantization_padding(x, counts)
             probs, _ = self.quantization_padding(probs, counts)
-        if cfg.moe_apply_probs_on_input:
-            if cfg.moe_router_topk != 1:
-                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
-            x = (probs * x).to(x.dtype)
-            probs = torch.ones_like(probs)
+        x, probs = probs_on_input(cfg, x, probs)
         h, _ = self.linear_fc1(x, padded)  # built with skip_bias_add=False: bias added
         rows = glu.expert_rows(tokens_per_expert if padded is counts else padded, h.device,
                                total=h.shape[0])  # device counts as they are, no sync
@@ -322,14 +314,7 @@ class GroupedExpertsVectors:
             sd.update(self.shared_vectors.sharded_state_dict(
                 f"{prefix}shared_vectors.", sharded_offsets, metadata, self.ep_group,
                 self.expt_dp_group))
-        if self.expert_norms is None:
-            return sd
-        offsets, copy = _expert_offsets(sharded_offsets, self.num_local_experts)
-        for e, expert in enumerate(self.expert_norms):
-            local, part = f"{prefix}expert_norms.{e}.", {}
-            for name in ("gate_norm", "up_norm"):
-                if getattr(expert, name) is not None:
-                    part.update(getattr(expert, name).sharded_state_dict(
-                        f"{local}{name}.", offsets[e], metadata))
-            sd.update(_at_expert_keys(part, local, f"{prefix}experts.", copy))
+        if self.expert_norms is not None:
+            sd.update(_at_expert_keys(self.expert_norms, f"{prefix}expert_norms.",
+                                      f"{prefix}experts.", sharded_offsets, metadata))
         return sd

@@ -162,6 +162,28 @@ def test_grouped_spec_and_guards():
         moe_spec(strategy_config("unified"), num_experts=0)
 
 
+def test_probs_on_input_one_rule_for_local_and_te_grouped_experts():
+    """``moe_apply_probs_on_input`` (layers/grouped.py ``probs_on_input``, used by local and TE
+    grouped experts): top-1 only; the probabilities, [T] (local) or [T, 1] (TE grouped), scale
+    the input rows and become ones."""
+    from types import SimpleNamespace
+
+    from megatron_scalevec.layers.grouped import probs_on_input
+
+    x, probs = torch.randn(5, 8), torch.rand(5)
+    off = SimpleNamespace(moe_apply_probs_on_input=False, moe_router_topk=2)
+    same_x, same_probs = probs_on_input(off, x, probs)
+    assert same_x is x and same_probs is probs
+    with pytest.raises(ValueError, match="only works with moe_router_topk=1"):
+        probs_on_input(SimpleNamespace(moe_apply_probs_on_input=True, moe_router_topk=2),
+                       x, probs)
+    on = SimpleNamespace(moe_apply_probs_on_input=True, moe_router_topk=1)
+    for p in (probs, probs[:, None]):
+        scaled, ones = probs_on_input(on, x, p)
+        torch.testing.assert_close(scaled, x * probs[:, None], rtol=0, atol=0)
+        assert ones.shape == p.shape and bool((ones == 1).all())
+
+
 def _misaligned(rank, world):
     init_model_parallel()
     with pytest.raises(ValueError, match="multiples of 4"):

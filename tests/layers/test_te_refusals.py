@@ -75,6 +75,16 @@ def test_refusals_for_activation_mode_and_te_grouped():
     assert msg and "plain TE parameter" in msg, msg
 
 
+@needs_te
+def test_te_grouped_refuses_dp_with_a_bias_as_every_linear():
+    """DP with a linear bias: one refusal (layers/linear.py ``check_dp_bias``) for the local,
+    TE and TE grouped linears, each naming the flag to set."""
+    msg = run_on_ranks(_refusal, 1, "add_bias_linear", _cfg("hg+dp"), True)[0]
+    assert msg == ("DP output-side vectors with a linear bias are not supported: "
+                   "set add_bias_linear=False"), msg
+    assert run_on_ranks(_refusal, 1, "add_bias_linear", _cfg("hg+dnp"), True)[0] is None
+
+
 def _bypassed_fold(rank, world, grouped):
     import types
 
