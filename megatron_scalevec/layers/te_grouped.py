@@ -97,6 +97,7 @@ class ExpertFc1Vectors(torch.nn.Module):
         super().__init__()
         self.groups, self.slots, self.rows = branch_layout("fc1", config, out_local)
         self.has_scale_vectors = has_branch_vectors(scalevec)
+        self.tp_group = group  # the expert TP group its rows are split over (the monitor's sum)
         self._weight = Borrowed(weight)
         self.vectors_from = Borrowed() if uses_shared_vectors(scalevec, True) else None
         if self.vectors_from is None:

@@ -256,3 +256,39 @@ def test_te_grouped_refusals_are_one_line(overrides, names):
         pytest.skip("not a field of this megatron-core")
     msg = run_on_ranks(_refused, 1, overrides)[0]
     assert msg and names in msg and "\n" not in msg, msg
+
+
+def _conservation(rank, world):
+    from megatron_scalevec.layers.te_grouped import ExpertFc1Vectors
+    from megatron_scalevec.training.monitor import scale_vector_stats
+
+    te_stub.activate()
+    init_model_parallel(tp=2, ep=2, etp=1)
+    config = te_moe_config(True, True, sequence_parallel=True)
+    with te_stub.cuda_claimed():
+        model = M.build_gpt(config, strategy_config("hg"))
+        _te_experts(model)
+        M.perturb_vectors(model)
+        stats = scale_vector_stats([model])
+        out = {}
+        for name, owner in model.named_modules():
+            if not isinstance(owner, ExpertFc1Vectors):
+                continue
+            w = owner.weight.detach().float().view(owner.groups, len(owner.slots), owner.rows, -1)
+            for branch, vec in owner.scale_in.items():  # etp 1: the expert's whole fc1 here
+                rows = w[:, [i for i, s in enumerate(owner.slots) if s == branch]]
+                sq = rows.pow(2).reshape(-1, rows.shape[-1]).sum(0)
+                key = f"sv/{name}.scale_in.{branch}/conservation"
+                out[key] = (stats.get(key), float((vec().float().pow(2) - sq).mean()))
+    return out
+
+
+@needs_te
+def test_expert_conservation_sums_over_the_expert_tp_group():
+    """TP2 + EP2 with expert TP 1: each expert's fc1 is whole on its rank, so the logged
+    conservation reads it alone (not summed with the other rank's experts over dense TP)."""
+    for out in run_on_ranks(_conservation, 2):
+        assert len(out) >= 2, out
+        bad = {k: v for k, v in out.items() if v[0] is None or abs(v[0] - v[1]) > 1e-5 * max(
+            1.0, abs(v[1]))}
+        assert not bad, bad
