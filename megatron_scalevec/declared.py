@@ -122,9 +122,11 @@ def sites(model: nn.Module) -> dict:
             visit(child, site, layered)
 
     visit(model, "final", False)
-    feeds = {id(norm): min((where[id(r)] for r in readers), key="router".__eq__)
-             for layer in model.modules()  # the MLP's Pre-Norm feeds its router too
-             for norm, readers in pre_norm_readers(layer) if readers}
+    feeds = {}  # a Pre-Norm -> the site it feeds (the MLP's feeds its router too: the MLP)
+    for layer in model.modules():
+        for norm, readers in pre_norm_readers(layer):
+            fed = [where[id(r)] for r in readers]
+            feeds[id(norm)] = next((f for f in fed if f != "router"), fed[0] if fed else None)
     out = {}
     for prefix, module in model.named_modules():
         for d in declared_by(module):

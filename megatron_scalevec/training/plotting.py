@@ -25,14 +25,19 @@ def read_metrics(run_dir: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def read_config(run_dir: str) -> dict:
+def _beside(run_dir: str, name: str) -> dict:
+    """JSON file ``name`` beside the run's metrics; {} when missing or unreadable."""
     path = os.path.join(os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir,
-                        "config.json")
+                        name)
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError):
         return {}
+
+
+def read_config(run_dir: str) -> dict:
+    return _beside(run_dir, "config.json")
 
 
 def describe(run_dir: str) -> str:
@@ -122,13 +127,7 @@ _STATS = (("norm", "||gamma||"), ("beta", "OR magnitude beta"),
 def read_sites(run_dir: str) -> dict:
     """vectors.json beside the metrics ({"sv/<path>": [site, side, branch]}); {} for a run
     that has none (its vectors plot as "other")."""
-    path = os.path.join(os.path.dirname(run_dir) if run_dir.endswith(".jsonl") else run_dir,
-                        "vectors.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+    return _beside(run_dir, "vectors.json")
 
 
 def vector_kind(key: str, sites: dict):
