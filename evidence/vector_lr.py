@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=16, help="heads = width / head-dim")
     p.add_argument("--variants", nargs="+", default=VARIANTS)
     p.add_argument("--mults", nargs="+", type=float, default=MULTS)
+    p.add_argument("--reference", default=None, metavar="VARIANT",
+                   help="add a column: each row against this variant's best pair (ablations)")
     p.add_argument("--user-mults", nargs="*", type=float, default=[1.0],
                    help="multipliers run at shared's tuned LR for every variant")
     p.add_argument("--lr", type=float, default=3e-3, help="centre of the base-LR grid")

@@ -39,7 +39,8 @@ def rows(a, plan, root) -> list:
         w = r["width"]
         for name, key in (("vs_shared_x1", (w, "shared", REF)),
                           ("vs_shared_best", (w, "shared", BEST)),
-                          ("vs_own_x1", (w, r["variant"], REF))):
+                          ("vs_own_x1", (w, r["variant"], REF)),
+                          ("vs_reference", (w, a.reference, BEST))):
             ref = by.get(key)
             r[name] = paired(r["infos"], ref["infos"]) if ref and ref is not r else None
         fin = [i["final"] for i in r["infos"]]
@@ -81,16 +82,18 @@ def tuning_markdown(a, plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def comparison_markdown(table) -> str:
+def comparison_markdown(table, reference=None) -> str:
     head = ("| width | variant | configuration | LR | vector mult | seeds | final val (mean ± sd) "
-            "| Δ vs shared (tuned LR, x1) | Δ vs shared (best pair) | Δ vs own tuned LR x1 |")
+            "| Δ vs shared (tuned LR, x1) | Δ vs shared (best pair) | Δ vs own tuned LR x1 |"
+            + (f" Δ vs {reference} (best pair) |" if reference else ""))
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in table:
         lines.append(
             f"| {r['width']} | {r['variant']} | {r['label']} | {r['lr']:g} | {r['mult']:g} | "
             f"{len(r['infos'])} | {_g(r['mean'], '.4f')} ± {_g(r['std'], '.4f')} | "
             f"{_delta(r['vs_shared_x1'])} | {_delta(r['vs_shared_best'])} | "
-            f"{_delta(r['vs_own_x1'])} |")
+            f"{_delta(r['vs_own_x1'])} |" + (f" {_delta(r['vs_reference'])} |" if reference
+                                             else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +150,8 @@ def report(a, plan, root, log=print) -> list:
     table = rows(a, plan, root)
     md = ("# The scale vectors' learning rate\n\n## Tuning (tuning seeds)\n\n"
           + tuning_markdown(a, plan) + "\n## Comparison (paired seeds 1.."
-          + f"{a.seeds}; Δ: paired mean [95% t-interval])\n\n" + comparison_markdown(table))
+          + f"{a.seeds}; Δ: paired mean [95% t-interval])\n\n"
+          + comparison_markdown(table, a.reference))
     os.makedirs(root, exist_ok=True)
     base = os.path.join(root, a.report_name)
     with open(base + ".md", "w") as f:

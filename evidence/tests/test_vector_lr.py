@@ -60,7 +60,7 @@ def test_plan_finds_the_best_pair_and_keeps_seeds_apart(tmp_path):
 
 
 def test_report_tables_and_figure(tmp_path):
-    a = _args("--mults", "1", "3", "7", "30", "--user-mults", "1", "7")
+    a = _args("--mults", "1", "3", "7", "30", "--user-mults", "1", "7", "--reference", "unified")
     root = str(tmp_path)
     plan = _settle(a, root)
     for r in plan.comparison_runs():
@@ -70,6 +70,10 @@ def test_report_tables_and_figure(tmp_path):
     assert "| 64 | unified | best pair | 0.006 | 7 | 3 |" in md, md
     best = next(r for r in table if r["variant"] == "unified" and r["label"] == "best pair")
     assert best["vs_shared_best"]["mean"] < 0 and best["vs_own_x1"]["n"] == 3
+    # the ablation's column: shared's best pair against unified's (0.2 worse by construction)
+    ref = next(r for r in table if r["variant"] == "shared" and r["label"] == "best pair")
+    assert abs(ref["vs_reference"]["mean"] - 0.2) < 0.01 and best["vs_reference"] is None
+    assert "| Δ vs unified (best pair) |" in md and md.count("+0.2") >= 1, md
     png = os.path.join(root, "vector_lr.png")
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     out = vector_lr_report.combine([os.path.join(root, "vector_lr.json")],
