@@ -83,17 +83,18 @@ def tuning_markdown(a, plan) -> str:
 
 
 def comparison_markdown(table, reference=None) -> str:
+    deltas = [("Δ vs shared (tuned LR, x1)", "vs_shared_x1"),
+              ("Δ vs shared (best pair)", "vs_shared_best"), ("Δ vs own tuned LR x1", "vs_own_x1")]
+    if reference:
+        deltas.append((f"Δ vs {reference} (best pair)", "vs_reference"))
     head = ("| width | variant | configuration | LR | vector mult | seeds | final val (mean ± sd) "
-            "| Δ vs shared (tuned LR, x1) | Δ vs shared (best pair) | Δ vs own tuned LR x1 |"
-            + (f" Δ vs {reference} (best pair) |" if reference else ""))
+            + "".join(f"| {h} " for h, _ in deltas) + "|")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in table:
         lines.append(
             f"| {r['width']} | {r['variant']} | {r['label']} | {r['lr']:g} | {r['mult']:g} | "
             f"{len(r['infos'])} | {_g(r['mean'], '.4f')} ± {_g(r['std'], '.4f')} | "
-            f"{_delta(r['vs_shared_x1'])} | {_delta(r['vs_shared_best'])} | "
-            f"{_delta(r['vs_own_x1'])} |" + (f" {_delta(r['vs_reference'])} |" if reference
-                                             else ""))
+            + " | ".join(_delta(r[k]) for _, k in deltas) + " |")
     return "\n".join(lines) + "\n"
 
 
