@@ -105,7 +105,7 @@ def ladder_runs(a, family: str) -> list:
     for seed in range(1, seeds + 1):  # seed-major: an interrupted sweep keeps whole seeds
         for s in strategies:
             argv = ["--spec", _spec(family), "--scalevec", s, "--lr", str(a.lr),
-                    *_base_argv(a, family, seed)]
+                    *runner.VECTORS_AT_BASE_LR, *_base_argv(a, family, seed)]
             runs.append(runner.Run(f"{family}/{s}/seed{seed}", argv, runner.train_iters(a, family),
                                    dict(family=family, variant=s, strategy=s, lr=a.lr,
                                         seed=seed)))

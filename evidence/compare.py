@@ -53,7 +53,8 @@ def build_parser():
 
 
 def _run(a, strategy, lr, seed):
-    argv = ["--spec", "scalevec_dense", "--scalevec", strategy, "--lr", f"{lr:g}",
+    argv = ["--spec", "scalevec_dense", "--scalevec", strategy, *runner.VECTORS_AT_BASE_LR,
+            "--lr", f"{lr:g}",
             "--min-lr", f"{lr * a.min_lr_ratio:g}", "--num-layers", a.num_layers,
             "--hidden-size", a.hidden_size, "--num-attention-heads", a.num_attention_heads,
             "--seq-length", a.seq_length, "--micro-batch-size", a.micro_batch_size,

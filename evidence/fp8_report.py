@@ -227,7 +227,8 @@ def main(argv=None) -> None:
                 c["fp32"] = compare[s]["fp32"]
                 continue
             d = os.path.join(args.out, "compare", key.replace(" ", "_").replace("+", "_"), mode)
-            c[mode] = fp8_run.train_run([*base, "--scalevec", s], d, rec, mean_kept=kept)
+            argv = [*base, "--scalevec", s, *runner.VECTORS_AT_BASE_LR]
+            c[mode] = fp8_run.train_run(argv, d, rec, mean_kept=kept)
         c["seconds"] = time.time() - t1
         print(f"[fp8] {key}: fp32 {c['fp32'][-1]:.4f}, fp8 {c['fp8'][-1]:.4f}")
     if not rows:

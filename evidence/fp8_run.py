@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from evidence import fp8
+from evidence.runner import VECTORS_AT_BASE_LR
 
 VARIANTS = ("shared", "hg", "hg+dp", "unified")
 
@@ -56,8 +57,8 @@ def train_checkpoint(variant: str, root: str, trainer_args: list, log=print) -> 
         log(f"[fp8] checkpoint {d} exists, reused")
         return d
     log(f"[fp8] training {variant} -> {d}")
-    tr.main(["--scalevec", variant, "--save", d, "--run-dir", d, "--no-plot", "--quiet",
-             *trainer_args])
+    tr.main(["--scalevec", variant, *VECTORS_AT_BASE_LR, "--save", d, "--run-dir", d,
+             "--no-plot", "--quiet", *trainer_args])
     return d
 
 

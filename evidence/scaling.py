@@ -83,7 +83,8 @@ def _iters_for(a, size):
 def _run(a, s, size, seed, lr, key):
     layers, hidden = _size(size)
     iters = _iters_for(a, size)
-    argv = ["--spec", "scalevec_dense", "--scalevec", s, "--num-layers", layers,
+    argv = ["--spec", "scalevec_dense", "--scalevec", s, *runner.VECTORS_AT_BASE_LR,
+            "--num-layers", layers,
             "--hidden-size", hidden, "--num-attention-heads", hidden // a.head_dim,
             "--seq-length", a.seq_length, "--micro-batch-size", a.micro_batch_size,
             "--train-iters", iters, "--eval-interval", iters,

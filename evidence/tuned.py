@@ -94,7 +94,7 @@ def _variant_argv(a, family, variant, width):
             ["--moe-ffn-hidden-size", str(width)] if family == "moe" else [])
     if variant == "shared+qknorm":
         return ["--spec", spec, "--scalevec", "shared", "--qk-layernorm"]
-    return ["--spec", spec, "--scalevec", variant]
+    return ["--spec", spec, "--scalevec", variant, *runner.VECTORS_AT_BASE_LR]
 
 
 def make_run(a, base_argv, family, setting, variant, lr, seed, width=None, phase="tune"):

@@ -106,8 +106,6 @@ class ScaleVecConfig:
     vector_lr_mult: Optional[float] = None
 
     def __post_init__(self):
-        if self.vector_lr_mult is None:
-            object.__setattr__(self, "vector_lr_mult", default_vector_lr_mult(self))
         if self.dp and self.dnp:
             raise ValueError("ScaleVecConfig: 'dp' and 'dnp' conflict: both place an output-side "
                              "vector on the same branch; choose one")
@@ -132,6 +130,8 @@ class ScaleVecConfig:
                              f"got {self.layernorm_bias!r}")
         if self.scale_vector_weight_decay is not None and self.scale_vector_weight_decay < 0:
             raise ValueError("ScaleVecConfig.scale_vector_weight_decay must be >= 0")
+        if self.vector_lr_mult is None:  # after the checks: the default reads the strategy
+            object.__setattr__(self, "vector_lr_mult", default_vector_lr_mult(self))
         m = self.vector_lr_mult
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) \
                 or m <= 0:
@@ -228,9 +228,16 @@ class ScaleVecConfig:
         return "weight" if local_linear else "activation"
 
 
+# The vectors' LR multiplier measured best, or within 0.02 of it, for `unified` at every width
+# and depth swept (docs/RESULTS.md, "Headline").
+RECOMMENDED_VECTOR_LR_MULT = 30.0
+
+
 def default_vector_lr_mult(cfg: ScaleVecConfig) -> float:
-    """The vectors' LR multiplier a strategy gets unless one is given (docs/RESULTS.md)."""
-    return 1.0
+    """The vectors' LR multiplier a strategy gets unless one is given: x30 for every strategy
+    that changes the model (docs/RESULTS.md); 1 for ``shared`` (stock megatron-core, LR
+    included, unless asked) and ``none`` (no vectors)."""
+    return 1.0 if cfg.is_baseline or not cfg.vectors else RECOMMENDED_VECTOR_LR_MULT
 
 
 def moe_layer_flags(num_layers: int, moe_layer_freq, is_moe: bool) -> list:

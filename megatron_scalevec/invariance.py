@@ -9,8 +9,11 @@ Input-Norm vectors, shrinks it every step (each parameterization names its magni
 parameterizations.py), ``beta_t = beta_0 * prod(1 - lr_t * wd)``, about
 ``exp(-lr * wd * t)``. Harmless until ``beta^2 * mean(z^2)`` nears the norm's epsilon; with
 projections of unit scale, ``beta ~ sqrt(eps)``: at lr 3e-3, wd 0.1 and eps 1e-5 after about
-19k steps. :func:`invariant_magnitudes` names them; :func:`summary_line` says when epsilon
-would start to matter for a run (trainer start-up summary).
+19k steps. That is the bound for decay alone: in practice Adam turns their rounding-level
+gradient into full steps, and at 30 x the LR (the default vector multiplier) for 2.5 times that
+horizon they stayed far from it (docs/RESULTS.md, "Default"). :func:`invariant_magnitudes`
+names them; :func:`summary_line` says when epsilon would start to matter by decay alone
+(trainer start-up summary).
 """
 
 from __future__ import annotations
@@ -64,6 +67,6 @@ def summary_line(names: list, lr: float, wd: float, eps: float, train_iters: int
     shrink = math.exp(-lr * wd * train_iters)
     when = "never (no decay)" if math.isinf(steps) else f"after ~{steps:,.0f} steps at lr {lr:g}"
     return (f"scale-invariant magnitudes: {len(names)} (OR/ER scales of input vectors whose "
-            f"projections DNP normalizes) get no gradient and decay with wd {wd:g}; the norm's "
-            f"epsilon {eps:g} starts to matter {when}; this run's {train_iters:,} steps shrink "
-            f"them to >= {shrink:.3g}x")
+            f"projections DNP normalizes) get no gradient and decay with wd {wd:g}; by decay "
+            f"alone the norm's epsilon {eps:g} would start to matter {when}, and this run's "
+            f"{train_iters:,} steps would shrink them to {shrink:.3g}x")

@@ -117,8 +117,8 @@ def lr_conflict(config_overrides: Optional[dict], model_chunks) -> Optional[str]
                 if getattr(p, "scalevec_role", None) and key.matches(p, name):
                     label = getattr(pred, "name", None) or key
                     return (f"the override {label} also sets the learning rate of scale vector "
-                            f"{name} ({dict(override)}), which our vector_lr_mult sets: unset "
-                            f"MEGATRON_SCALEVEC_VECTOR_LR_MULT (or set it to 1), or drop the "
+                            f"{name} ({dict(override)}), which our vector_lr_mult sets: set "
+                            f"MEGATRON_SCALEVEC_VECTOR_LR_MULT=1, or drop the "
                             f"other (e.g. --use-mup with --optimizer sgd)")
     return None
 

@@ -12,7 +12,7 @@ variable                               ScaleVecConfig field (default)
 ``MEGATRON_SCALEVEC_DECAY_DIRECTION``  ``decay_direction`` (``0``; ``1`` / ``0``)
 ``MEGATRON_SCALEVEC_DP_OUTPUT_ROLE``   ``dp_output_role`` (``input``)
 ``MEGATRON_SCALEVEC_LAYERNORM_BIAS``   ``layernorm_bias`` (``stock``)
-``MEGATRON_SCALEVEC_VECTOR_LR_MULT``   ``vector_lr_mult`` (the strategy's; a number > 0)
+``MEGATRON_SCALEVEC_VECTOR_LR_MULT``   ``vector_lr_mult`` (30; 1 under ``shared``; > 0)
 =====================================  ==============================================
 
 Then (:func:`adopt`, at that import) the whole strategy is written into Megatron-LM's ``args``

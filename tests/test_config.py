@@ -51,8 +51,9 @@ def test_overrides_through_from_string():
 
 
 def test_vector_lr_mult_is_validated_resolved_and_recorded():
-    """A number > 0; None resolves to the strategy's default at construction (a recorded
-    config never changes meaning); a record from before the field existed means 1."""
+    """A number > 0; None resolves to the strategy's default at construction (x30, 1 for the
+    stock model; a recorded config never changes meaning); a record from before the field
+    existed means 1."""
     for bad in (0, -1.0, float("nan"), float("inf"), "7", True):
         with pytest.raises(ValueError, match="vector_lr_mult must be a number > 0"):
             ScaleVecConfig.from_string("shared", vector_lr_mult=bad)
@@ -64,6 +65,11 @@ def test_vector_lr_mult_is_validated_resolved_and_recorded():
         assert ScaleVecConfig.from_dict(cfg.to_dict()) == cfg
         old = {k: v for k, v in cfg.to_dict().items() if k != "vector_lr_mult"}
         assert ScaleVecConfig.from_dict(old).vector_lr_mult == 1.0
+    for s, m in (("unified", 30.0), ("hg+dp+er", 30.0), ("shared+dnp", 30.0), ("shared", 1.0),
+                 ("shared+iwd", 1.0), ("none", 1.0)):  # x30 for every model that is not stock
+        assert ScaleVecConfig.from_string(s).vector_lr_mult == m, s
+    one = ScaleVecConfig.from_string("unified", vector_lr_mult=1)
+    assert "vector_lr_mult=1.0" in one.describe()
     seven = ScaleVecConfig.from_string("unified", vector_lr_mult=7)
     assert seven.vector_lr_mult == 7.0 and "vector_lr_mult=7.0" in seven.describe()
 

@@ -241,7 +241,8 @@ def _expected_wd(name, p):
 
 def _iwd_groups(rank, world, moe):
     """Overrides from the installed function (fake args) into megatron-core's optimizer: a
-    zero-gradient step shrinks each parameter by exactly (1 - lr * its expected decay)."""
+    zero-gradient step shrinks each parameter by exactly (1 - lr * its expected decay), the
+    scale vectors' lr 30 x the base (unified's default multiplier)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import get_megatron_optimizer
@@ -272,7 +273,8 @@ def _iwd_groups(rank, world, moe):
     factors = M.zero_grad_step_factors(ddp, opt)
     bad, decayed_vectors, output_vectors = [], 0, 0
     for n, got in factors.items():
-        want = 1.0 - LR * _expected_wd(n, params[n])
+        lr = LR * (30.0 if INPUT.search(n) or OUTPUT.search(n) else 1.0)
+        want = 1.0 - lr * _expected_wd(n, params[n])
         if abs(got - want) > 1e-5:
             bad.append(f"{n}: {got:.4f} != {want:.4f}")
         decayed_vectors += bool(INPUT.search(n)) and want < 1.0

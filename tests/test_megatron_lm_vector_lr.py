@@ -22,7 +22,10 @@ def test_variable_parsed_recorded_and_refused_in_one_line():
     cfg = megatron_lm.env_strategy({VAR: "7"})
     assert cfg.to_string() == "hg+dnp+or+iwd" and cfg.vector_lr_mult == 7.0
     assert f"{VAR}=7" in env_for(cfg)
-    assert VAR not in env_for(cfg.replace(vector_lr_mult=1.0))
+    assert f"{VAR}=1 " in env_for(cfg.replace(vector_lr_mult=1.0)) + " "  # not the default
+    assert VAR not in env_for(cfg.replace(vector_lr_mult=30.0))  # unified's default
+    assert megatron_lm.env_strategy({"MEGATRON_SCALEVEC": "unified"}).vector_lr_mult == 30.0
+    assert megatron_lm.env_strategy({"MEGATRON_SCALEVEC": "shared"}).vector_lr_mult == 1.0
     assert megatron_lm.env_strategy({VAR: "1", "MEGATRON_SCALEVEC": "shared"}).is_baseline
     for bad, why in (("seven", "use a number"), ("0", "must be a number > 0")):
         with pytest.raises(ValueError) as err:

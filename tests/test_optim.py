@@ -46,7 +46,9 @@ def _build(strategy, tp, ep, moe, svwd, dist_opt, scheduler=True, **readings):
     from scalevec_testing.models import build_gpt, tiny_config
 
     init_model_parallel(tp=tp, ep=ep)
-    cfg = ScaleVecConfig.from_string(strategy, scale_vector_weight_decay=svwd, **readings)
+    # the decay alone: the vectors at the base LR (their multiplier: tests/test_vector_lr.py)
+    cfg = ScaleVecConfig.from_string(strategy, scale_vector_weight_decay=svwd,
+                                     vector_lr_mult=1.0, **readings)
     extra = {}
     if moe:
         extra = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,

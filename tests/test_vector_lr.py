@@ -173,9 +173,49 @@ def test_save_and_resume_keep_every_groups_lr(tmp_path):
     with pytest.raises(RankError, match="trained its scale vectors at --vector-lr-mult 7, "
                                         "this run asks for 3: pass --vector-lr-mult 7"):
         run_on_ranks(run_trainer, 1, flags("3", "4", "d", OVR, "--load", str(ck)))
+    # no flag: the strategy's default (x30), which is not the checkpoint's either
+    no_flag = [*base, "--train-iters", "4", "--run-dir", str(tmp_path / "f"), OVR, "--load",
+               str(ck)]
+    with pytest.raises(RankError, match="this run asks for 30: pass --vector-lr-mult 7"):
+        run_on_ranks(run_trainer, 1, no_flag)
     # deliberately: a fresh optimizer at the new multiplier
     assert len(run_on_ranks(run_trainer, 1, flags("3", "4", "e", OVR, "--load", str(ck),
                                                   "--no-load-optim"))[0]) == 2
+
+
+def test_trainer_default_is_x30_beyond_shared(tmp_path):
+    """Without the flag: x30 for every strategy that changes the model, 1 for ``shared``
+    (stock megatron-core) and under --spec baseline."""
+    from megatron_scalevec.training.arguments import parse_args
+
+    for argv, want in ((["--scalevec", "unified"], 30.0), (["--scalevec", "hg+dp+er"], 30.0),
+                       (["--scalevec", "shared"], 1.0), (["--spec", "baseline"], 1.0),
+                       (["--scalevec", "unified", "--vector-lr-mult", "1"], 1.0)):
+        a = parse_args(TINY + argv + ["--run-dir", str(tmp_path / "r")])
+        assert a.scalevec_config.vector_lr_mult == want, argv
+
+
+def test_start_up_summary_prints_the_vectors_lr(tmp_path):
+    """pretrain_gpt.py, unified at its default: the decay table's vector rows and the
+    scale-invariant magnitudes' epsilon horizon are at 30 x --lr (1e-2), the matrices at --lr."""
+    import os
+    import subprocess
+    import sys
+
+    from scalevec_testing.trainer_flags import ROOT
+
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
+                        *[f for f in TINY if f != "--quiet"], "--train-iters", "1",
+                        "--run-dir", str(tmp_path / "r")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {ln.split()[0]: ln.split() for ln in p.stdout.splitlines()
+            if ln.startswith("  ") and len(ln.split()) == 5}
+    assert float(rows["input_vectors"][2]) == pytest.approx(0.3), rows
+    assert float(rows["output_vectors"][2]) == pytest.approx(0.3), rows
+    assert float(rows["matrices"][2]) == pytest.approx(1e-2), rows
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("scale-invariant"))
+    assert "steps at lr 0.3," in line, line
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan"])

@@ -272,3 +272,24 @@ def test_scaling_tuned_picks_lr_per_strategy_and_size(tmp_path):
     md = open(os.path.join(out, "scaling.md")).read()
     assert "shared 1x16 0.003;" in md
     assert "hg+dnp+or+iwd 2x32 0.006 (best at the grid's high edge)" in md
+
+
+def test_recorded_sweeps_run_the_vectors_at_the_base_lr(tmp_path):
+    """The sweeps RESULTS.md recorded before the x30 default (ablation, tuned, compare,
+    scaling) still run every strategy's vectors at x1, as the trainer parses their argv."""
+    from megatron_scalevec.training.arguments import parse_args
+
+    a = _tuned_args(str(tmp_path / "t"), "--families", "dense")
+    runs = ablation.all_runs(a, str(tmp_path / "t"))
+    runs += tuned.tuning_plan(a, ablation._base_argv, str(tmp_path / "t"))[0]
+    runs += scaling.tuning_runs(scaling.build_parser().parse_args(["--sizes", "1x16"]))
+    runs.append(compare._run(compare.build_parser().parse_args([]), "unified", 3e-3, 1))
+    seen = set()
+    for r in runs:
+        argv = [str(x) for x in r.argv]
+        if "--spec" in argv and argv[argv.index("--spec") + 1] == "baseline":
+            continue  # megatron-core's own spec: no vectors of ours
+        cfg = parse_args(argv + ["--run-dir", str(tmp_path / "r")]).scalevec_config
+        assert cfg.vector_lr_mult == 1.0, r.key
+        seen.add(cfg.to_string())
+    assert "hg+dnp+or+iwd" in seen  # unified, whose default is x30

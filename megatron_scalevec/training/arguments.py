@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--normalization LayerNorm: keep megatron-core's LayerNorm biases, "
                         "added before the branch vectors (stock), or none")
     g.add_argument("--vector-lr-mult", type=float, default=None,
-                   help="the scale vectors' peak and floor LR over --lr / --min-lr (default: "
-                        "the strategy's, docs/RESULTS.md)")
+                   help="the scale vectors' peak and floor LR over --lr / --min-lr (default 30; "
+                        "1 under --scalevec shared, stock megatron-core; docs/RESULTS.md)")
 
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)

@@ -249,7 +249,8 @@ class Trainer:
         wd = (a.scale_vector_weight_decay if a.scale_vector_weight_decay is not None
               else a.weight_decay) if sv.iwd else 0.0
         names = [n for m in self.model for n in invariant_magnitudes(m)]
-        line = summary_line(names, a.lr, wd, self.config.layernorm_epsilon, a.train_iters)
+        line = summary_line(names, a.lr * sv.vector_lr_mult, wd,  # they learn at the vectors' LR
+                            self.config.layernorm_epsilon, a.train_iters)
         if line:
             self.log.print(line)
 

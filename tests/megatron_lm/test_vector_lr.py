@@ -27,11 +27,12 @@ VECTOR = re.compile(r"(scale_in\.|_norm\.|layernorm\.|layer_norm_)"
                     r"(\w+\.)?(weight|magnitude|direction|alpha|logit)$")
 
 
-def _run(tmp_path, strategy, base, extra=(), env=None, name="run"):
+def _run(tmp_path, strategy, base, extra=(), env=None, name="run", mult=MULT):
+    """``mult`` None: the variable unset (the strategy's default)."""
+    var = {} if mult is None else {"MEGATRON_SCALEVEC_VECTOR_LR_MULT": f"{mult:g}"}
     return M.run([*M.TINY, *base, *FLAGS, *extra, *M.SPEC, "scalevec_dense"],
                  os.path.join(tmp_path, name),
-                 env={"MEGATRON_SCALEVEC": strategy, "MEGATRON_SCALEVEC_VECTOR_LR_MULT":
-                      f"{MULT:g}", **(env or {})})
+                 env={"MEGATRON_SCALEVEC": strategy, **var, **(env or {})})
 
 
 def _check_groups(groups: dict, mult: float) -> int:
@@ -48,16 +49,17 @@ def _check_groups(groups: dict, mult: float) -> int:
     return vectors
 
 
-@pytest.mark.parametrize("strategy,base", [
-    ("shared", M.LOCAL), ("unified", M.LOCAL),
-    pytest.param("shared", M.TE, marks=needs_te),  # TE's fused layer_norm_weight
+@pytest.mark.parametrize("strategy,base,mult,want", [
+    ("shared", M.LOCAL, MULT, MULT),
+    ("unified", M.LOCAL, None, 30.0),  # the variable unset: unified's default
+    pytest.param("shared", M.TE, MULT, MULT, marks=needs_te),  # TE's fused layer_norm_weight
 ])
-def test_vectors_train_at_the_multiplied_lr(tmp_path, strategy, base):
-    out = _run(tmp_path, strategy, base).check()
-    assert _check_groups(out.ranks[0]["groups"], MULT) >= 5
+def test_vectors_train_at_the_multiplied_lr(tmp_path, strategy, base, mult, want):
+    out = _run(tmp_path, strategy, base, mult=mult).check()
+    assert _check_groups(out.ranks[0]["groups"], want) >= 5
     table = out.output[out.output.index("weight decay groups"):].splitlines()
     row = next(ln for ln in table if ln.split()[:1] in (["vectors"], ["input_vectors"]))
-    assert float(row.split()[2]) == pytest.approx(LR * MULT), row
+    assert float(row.split()[2]) == pytest.approx(LR * want), row
 
 
 def test_resume_at_another_multiplier_is_refused_or_applied_deliberately(tmp_path):
