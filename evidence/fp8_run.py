@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from evidence import fp8
-from evidence.runner import VECTORS_AT_BASE_LR
+from evidence.runner import VECTORS_AT_BASE_LR, read_metrics
 
 VARIANTS = ("shared", "hg", "hg+dp", "unified")
 
@@ -245,7 +245,6 @@ def install_fake_fp8(model, rec: fp8.Recipe, mean_kept: bool = False) -> int:
 def train_run(trainer_args: list, run_dir: str, rec: Optional[fp8.Recipe],
               mean_kept: bool = False) -> list:
     """Per-iteration training losses of one trainer run, FP8-emulated when ``rec`` is set."""
-    from evidence.runner import read_metrics  # noqa: PLC0415
     from megatron_scalevec.training import trainer as tr  # noqa: PLC0415
 
     iters = int(trainer_args[trainer_args.index("--train-iters") + 1])

@@ -7,13 +7,17 @@ tests/convert/test_convert_trainer.py), here because a test file never imports a
 32, 16 tokens, 8 sequences a step), quiet and without plots; tests append the iterations,
 directories and flags they check. ``OVR``: resuming with a longer ``--train-iters`` changes the
 LR schedule, this flag says which applies. :func:`run_trainer`: the trainer's ``main`` as a rank
-function of ``run_on_ranks``; :func:`run_convert` and :func:`run_converter_cli` likewise for the
+function of ``run_on_ranks``; :func:`run_cli`: ``pretrain_gpt.py`` as a user runs it (a
+subprocess, one thread); :func:`run_convert` and :func:`run_converter_cli` likewise for the
 converter's API and its command line (tools/convert_checkpoint.py).
 """
 
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 
 TINY = ["--mock-data", "--spec", "scalevec_dense", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "64",
@@ -28,6 +32,12 @@ def run_trainer(rank, world, argv):
     from megatron_scalevec.training.trainer import main
 
     return main(argv)
+
+
+def run_cli(*flags, timeout=150):
+    """``python pretrain_gpt.py FLAGS`` from the repository root: the CompletedProcess."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags],
+                          capture_output=True, text=True, cwd=ROOT, env=CLI_ENV, timeout=timeout)
 
 
 def run_convert(rank, world, *args, **kw):

@@ -198,16 +198,10 @@ def test_trainer_default_is_x30_beyond_shared(tmp_path):
 def test_start_up_summary_prints_the_vectors_lr(tmp_path):
     """pretrain_gpt.py, unified at its default: the decay table's vector rows and the
     scale-invariant magnitudes' epsilon horizon are at 30 x --lr (1e-2), the matrices at --lr."""
-    import os
-    import subprocess
-    import sys
+    from scalevec_testing.trainer_flags import run_cli
 
-    from scalevec_testing.trainer_flags import ROOT
-
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"),
-                        *[f for f in TINY if f != "--quiet"], "--train-iters", "1",
-                        "--run-dir", str(tmp_path / "r")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = run_cli(*[f for f in TINY if f != "--quiet"], "--train-iters", "1", "--run-dir",
+                str(tmp_path / "r"), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {ln.split()[0]: ln.split() for ln in p.stdout.splitlines()
             if ln.startswith("  ") and len(ln.split()) == 5}

@@ -18,20 +18,12 @@ import torch
 
 from megatron_scalevec.training.arguments import ArgumentError, parse_args
 from scalevec_testing.distributed import RankError, run_on_ranks
-from scalevec_testing.trainer_flags import OVR, TINY, run_trainer
-
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))  # the repository root
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+from scalevec_testing.trainer_flags import CLI_ENV, OVR, ROOT, TINY, run_cli, run_trainer
 
 
 def _run(*flags, run_dir, world=1):
     return run_on_ranks(run_trainer, world, TINY + ["--run-dir", str(run_dir)] + list(flags),
                         timeout=180)[0]
-
-
-def _cli(*flags, timeout=150):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags],
-                          capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +45,7 @@ def test_divergence_stops_with_message_and_no_checkpoint(tmp_path):
     checkpoint; metrics.jsonl is strict JSON and marks the step; the start-up summary and the
     progress line are there; the TE/Apex warnings are one line."""
     ck = tmp_path / "ck"
-    p = _cli(*[f for f in TINY if f != "--quiet"], "--lr", "1e3", "--train-iters", "40",
+    p = run_cli(*[f for f in TINY if f != "--quiet"], "--lr", "1e3", "--train-iters", "40",
              "--save", str(ck), "--save-interval", "1", "--log-interval", "1",
              "--run-dir", str(tmp_path / "run"))
     assert p.returncode == 3, p.stderr[-3000:]
@@ -90,7 +82,8 @@ def test_flipped_byte_is_refused_naming_the_file(ck, tmp_path):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
-    p = _cli(*TINY, "--train-iters", "4", OVR, "--load", str(ck), "--run-dir", str(tmp_path / "r"))
+    p = run_cli(*TINY, "--train-iters", "4", OVR, "--load", str(ck), "--run-dir",
+                str(tmp_path / "r"))
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     assert re.fullmatch(r"error: checkpoint verification failed: \S+__0_0\.distcp: checksum "
@@ -258,7 +251,7 @@ def test_writer_processes_die_with_a_killed_trainer(tmp_path):
         "--num-layers", "24", "--train-iters", "200",
         "--save", str(tmp_path / "ck"), "--save-interval", "1", "--run-dir", str(tmp_path)]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags],
-                            cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            cwd=ROOT, env=CLI_ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
         parent = psutil.Process(proc.pid)
@@ -320,7 +313,7 @@ except KeyboardInterrupt:
 def test_ctrl_c_during_a_save_is_raised_once_it_is_published():
     """The trainer's save holds Ctrl-C: raised inside megatron-core's writer forks, it could
     be swallowed in a fork hook and hang the next fork; a second Ctrl-C raises at once."""
-    p = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, env=ENV,
+    p = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, env=CLI_ENV,
                        timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                      signal.SIG_DFL))
     assert p.returncode == 0, p.stderr[-3000:]
